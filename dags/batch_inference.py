@@ -1,0 +1,126 @@
+"""batch_inference: an OpenAI Batch JSONL file in, OpenAI batch output out.
+
+validate → split → dispatch (one mapped task per shard) → merge.
+Wiring and parameters only; the logic lives in ``aibrix_operators``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+from aibrix_operators.batch.records import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    SUPPORTED_ENDPOINTS,
+)
+from aibrix_operators.operators import (
+    DispatchShardOperator,
+    MergeBatchOperator,
+    SplitBatchOperator,
+    ValidateBatchOperator,
+)
+from airflow.sdk import DAG, Param
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+PARAMS = {
+    "input_uri": Param(
+        str(REPO_ROOT / "examples" / "chat_batch.jsonl"), type="string", minLength=1,
+        description="The OpenAI Batch JSONL file: a local path or s3://bucket/key.",
+    ),
+    "output_uri": Param(
+        str(REPO_ROOT / ".work" / "outputs" / "latest"), type="string", minLength=1,
+        description="Where output.jsonl, errors.jsonl and batch.json go: a local directory or "
+        "s3://bucket/prefix.",
+    ),
+    "endpoint": Param(
+        "http://127.0.0.1:8000", type="string", pattern="^https?://",
+        description="Base URL of the OpenAI-compatible server (vLLM or the P/D router).",
+    ),
+    "batch_endpoint": Param(
+        None, type=["null", "string"], enum=[None, *SUPPORTED_ENDPOINTS],
+        description="The batch's API endpoint; empty takes it from the first line's url.",
+    ),
+    "model": Param(
+        None, type=["null", "string"],
+        description="Expected body.model of every line; empty accepts the file's own model.",
+    ),
+    "requests_per_shard": Param(5000, type="integer", minimum=1, description="Requests per shard."),
+    "bytes_per_shard": Param(
+        64 * 1024 * 1024, type="integer", minimum=1024, description="Bytes per shard at most."
+    ),
+    "concurrency": Param(64, type="integer", minimum=1, maximum=4096,
+                         description="Requests in flight per shard."),
+    "max_attempts": Param(5, type="integer", minimum=1, maximum=20,
+                          description="Attempts per request on 429/5xx/timeouts."),
+    "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
+    "completion_window": Param(
+        "24h", type="string", pattern="^[0-9]+[hms]$",
+        description="Deadline from submission; requests not started by then end as batch_expired.",
+    ),
+    "execution_mode": Param(
+        "local", type="string", enum=["local", "kubernetes"],
+        description="Where shard drivers run: in the Airflow worker, or in pods.",
+    ),
+    "max_requests": Param(DEFAULT_MAX_REQUESTS, type="integer", minimum=1),
+    "max_file_bytes": Param(DEFAULT_MAX_FILE_BYTES, type="integer", minimum=1),
+    "max_line_bytes": Param(DEFAULT_MAX_LINE_BYTES, type="integer", minimum=1),
+    "aws_conn_id": Param(
+        None, type=["null", "string"],
+        description="Airflow connection for s3:// URIs; empty uses boto3's default credentials.",
+    ),
+    "metadata": Param({}, type="object", description="Free-form string pairs kept in batch.json."),
+}
+
+with DAG(
+    dag_id="batch_inference",
+    description="OpenAI Batch JSONL → vLLM → OpenAI batch output",
+    schedule=None,
+    catchup=False,
+    params=PARAMS,
+    render_template_as_native_obj=True,
+    max_active_tasks=16,
+    tags=["aibrix", "batch", "llm"],
+    doc_md=__doc__,
+) as dag:
+    validate = ValidateBatchOperator(
+        task_id="validate",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri }}",
+        batch_endpoint="{{ params.batch_endpoint }}",
+        expected_model="{{ params.model }}",
+        max_requests="{{ params.max_requests }}",
+        max_file_bytes="{{ params.max_file_bytes }}",
+        max_line_bytes="{{ params.max_line_bytes }}",
+        completion_window="{{ params.completion_window }}",
+        metadata="{{ params.metadata }}",
+        aws_conn_id="{{ params.aws_conn_id }}",
+    )
+    split = SplitBatchOperator(
+        task_id="split",
+        validated=validate.output,
+        requests_per_shard="{{ params.requests_per_shard }}",
+        bytes_per_shard="{{ params.bytes_per_shard }}",
+        aws_conn_id="{{ params.aws_conn_id }}",
+    )
+    dispatch = DispatchShardOperator.partial(
+        task_id="dispatch",
+        validated=validate.output,
+        endpoint="{{ params.endpoint }}",
+        concurrency="{{ params.concurrency }}",
+        max_attempts="{{ params.max_attempts }}",
+        request_timeout_s="{{ params.request_timeout_s }}",
+        execution_mode="{{ params.execution_mode }}",
+        aws_conn_id="{{ params.aws_conn_id }}",
+        retries=2,
+        retry_delay=timedelta(seconds=5),
+    ).expand(shard=split.output)
+    merge = MergeBatchOperator(
+        task_id="merge",
+        validated=validate.output,
+        shards=split.output,
+        outcomes=dispatch.output,
+        aws_conn_id="{{ params.aws_conn_id }}",
+    )

@@ -1,0 +1,1 @@
+"""Batch records, validation, sharding and merging (no Airflow imports)."""

@@ -1,0 +1,113 @@
+"""Merge shard results into ``output.jsonl``, ``errors.jsonl`` and ``batch.json``.
+
+This is where the exactly-once invariant is enforced: every input
+``custom_id`` appears exactly once across output ∪ errors. A missing, repeated
+or unknown id fails the merge loudly instead of publishing a wrong result.
+Output is in input order; memory is bounded by one shard's results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.records import Usage
+from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.storage import Storage, join_uri
+
+OUTPUT_FILE = "output.jsonl"
+ERRORS_FILE = "errors.jsonl"
+BATCH_FILE = "batch.json"
+
+
+class ExactlyOnceViolation(Exception):
+    """The results do not answer every request exactly once."""
+
+
+@dataclass
+class MergeSummary:
+    output_uri: str
+    errors_uri: str
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    usage: Usage = field(default_factory=Usage)
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "output_uri": self.output_uri,
+            "errors_uri": self.errors_uri,
+            "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "usage": self.usage.as_dict(),
+            "error_codes": self.error_codes,
+        }
+
+
+def _shard_results(
+    storage: Storage, shard: ShardSpec, segments: list[str]
+) -> dict[str, tuple[bytes, dict[str, Any]]]:
+    results: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    duplicates: list[str] = []
+    for uri in segments:
+        for line in storage.read_bytes(uri).splitlines():
+            if not line:
+                continue
+            record = loads(line)
+            cid = record["custom_id"]
+            if cid in results:
+                duplicates.append(cid)
+            results[cid] = (line, record)
+    if duplicates:
+        raise ExactlyOnceViolation(
+            f"{shard.name}: {len(duplicates)} custom_id(s) answered more than once, e.g. "
+            f"{duplicates[:5]}; results under the shard's results prefix are inconsistent"
+        )
+    return results
+
+
+def merge_results(
+    storage: Storage,
+    shards: list[ShardSpec],
+    segments_of: Callable[[ShardSpec], list[str]],
+    output_prefix: str,
+) -> MergeSummary:
+    """Write output and error files under ``output_prefix`` from every shard's results."""
+    summary = MergeSummary(join_uri(output_prefix, OUTPUT_FILE), join_uri(output_prefix, ERRORS_FILE))
+    with storage.open_write(summary.output_uri) as out, storage.open_write(summary.errors_uri) as errs:
+        for shard in sorted(shards, key=lambda s: s.index):
+            results = _shard_results(storage, shard, segments_of(shard))
+            missing: list[str] = []
+            with storage.open_read(shard.uri) as src:
+                for raw in src:
+                    if not raw.strip():
+                        continue
+                    cid = loads(raw)["custom_id"]
+                    found = results.pop(cid, None)
+                    if found is None:
+                        missing.append(cid)
+                        continue
+                    line, record = found
+                    summary.total += 1
+                    if record.get("error") is None:
+                        summary.completed += 1
+                        summary.usage.add_response_body(record["response"]["body"])
+                        out.write(line + b"\n")
+                    else:
+                        summary.failed += 1
+                        code = str(record["error"].get("code"))
+                        summary.error_codes[code] = summary.error_codes.get(code, 0) + 1
+                        errs.write(line + b"\n")
+            if missing:
+                raise ExactlyOnceViolation(
+                    f"{shard.name}: {len(missing)} request(s) have no result, e.g. {missing[:5]}; "
+                    "re-run the shard's dispatch task (it resumes where it stopped)"
+                )
+            if results:
+                raise ExactlyOnceViolation(
+                    f"{shard.name}: {len(results)} result(s) for custom_ids that are not in the "
+                    f"shard, e.g. {list(results)[:5]}"
+                )
+    return summary

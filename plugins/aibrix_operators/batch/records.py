@@ -1,0 +1,142 @@
+"""The OpenAI Batch API's line formats and the batch object.
+
+Field names follow OpenAI's Batch API reference so that files produced here can
+be read by anything that reads OpenAI batch output (and vLLM's ``run_batch``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# OpenAI's limits, used as defaults; every one of them is a parameter.
+DEFAULT_MAX_REQUESTS = 50_000
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+
+
+def new_request_record_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def success_record(custom_id: str, status_code: int, request_id: str, body: Any) -> dict[str, Any]:
+    """One line of ``output.jsonl``: a request that got a 2xx response."""
+    return {
+        "id": new_request_record_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_record(
+    custom_id: str,
+    code: str,
+    message: str,
+    status_code: int | None = None,
+    request_id: str | None = None,
+    body: Any = None,
+) -> dict[str, Any]:
+    """One line of ``errors.jsonl``: a request that ended without a 2xx response.
+
+    ``response`` carries the last HTTP response when there was one, so a user
+    can see what the server said; it is null for timeouts and dropped connections.
+    """
+    response = None
+    if status_code is not None:
+        response = {"status_code": status_code, "request_id": request_id, "body": body}
+    return {
+        "id": new_request_record_id(),
+        "custom_id": custom_id,
+        "response": response,
+        "error": {"code": code, "message": message},
+    }
+
+
+@dataclass
+class Usage:
+    """Token totals over a batch, in the Batch object's ``usage`` shape."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add_response_body(self, body: Any) -> None:
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            return
+        self.input_tokens += int(usage.get("prompt_tokens") or 0)
+        self.output_tokens += int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            self.cached_tokens += int(details.get("cached_tokens") or 0)
+
+    def merge(self, other: Usage) -> None:
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cached_tokens += other.cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+
+@dataclass
+class BatchObject:
+    """OpenAI's Batch object, as written to ``batch.json``."""
+
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str = "24h"
+    status: str = "validating"
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: dict[str, Any] | None = None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: dict[str, int] = field(
+        default_factory=lambda: {"total": 0, "completed": 0, "failed": 0}
+    )
+    usage: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"id": self.id, "object": "batch"}
+        out.update({k: v for k, v in self.__dict__.items() if k != "id"})
+        return out
+
+
+COMPLETION_WINDOW_SECONDS = {"24h": 24 * 3600}
+
+
+def parse_completion_window(window: str) -> int:
+    """``"24h"``/``"90m"``/``"3600s"`` → seconds; OpenAI accepts only ``24h``, we accept any."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    if not window or window[-1] not in units or not window[:-1].isdigit():
+        raise ValueError(
+            f"completion_window {window!r} is not a duration like '24h', '90m' or '3600s'"
+        )
+    seconds = int(window[:-1]) * units[window[-1]]
+    if seconds <= 0:
+        raise ValueError(f"completion_window {window!r} must be positive")
+    return seconds

@@ -1,0 +1,127 @@
+"""Split a validated batch file into shards for Airflow's dynamic task mapping.
+
+Splitting only cuts at line boundaries (no JSON parsing: validation already
+did that), so it runs at disk speed. The shard count never exceeds
+``max_shards`` (Airflow's ``[core] max_map_length``): shards grow instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aibrix_operators.batch.validation import UTF8_BOM, ValidationReport
+from aibrix_operators.storage import Storage, join_uri
+
+DEFAULT_SHARD_REQUESTS = 5_000
+DEFAULT_SHARD_BYTES = 64 * 1024 * 1024
+AIRFLOW_MAX_MAP_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard: where its input lies and which lines of the batch file it holds."""
+
+    index: int
+    uri: str
+    first_line: int
+    num_requests: int
+    num_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardSpec:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    requests_per_shard: int
+    bytes_per_shard: int
+
+
+def plan_shards(
+    total_requests: int,
+    total_bytes: int,
+    requests_per_shard: int = DEFAULT_SHARD_REQUESTS,
+    bytes_per_shard: int = DEFAULT_SHARD_BYTES,
+    max_shards: int = AIRFLOW_MAX_MAP_LENGTH,
+    max_line_bytes: int = 0,
+) -> ShardPlan:
+    """Grow the shard size so the shard count stays within ``max_shards``."""
+    if requests_per_shard < 1 or bytes_per_shard < 1 or max_shards < 1:
+        raise ValueError("requests_per_shard, bytes_per_shard and max_shards must be positive")
+    requests = max(requests_per_shard, math.ceil(total_requests / max_shards))
+    # A shard closes before a line that would overflow it, so leave room for one line.
+    needed_bytes = math.ceil(total_bytes / max_shards) + max_line_bytes
+    return ShardPlan(requests, max(bytes_per_shard, needed_bytes))
+
+
+def shard_uri(work_prefix: str, index: int) -> str:
+    return join_uri(work_prefix, "shards", f"shard-{index:05d}.jsonl")
+
+
+def split_file(
+    storage: Storage,
+    input_uri: str,
+    work_prefix: str,
+    report: ValidationReport,
+    plan: ShardPlan,
+) -> list[ShardSpec]:
+    """Write the requests of a validated file into shard files under ``work_prefix``."""
+    if not report.ok:
+        raise ValueError("refusing to split a file that failed validation")
+    shards: list[ShardSpec] = []
+    state: dict[str, Any] = {}
+
+    def close_current() -> None:
+        writer_cm = state.pop("cm", None)
+        if writer_cm is None:
+            return
+        writer_cm.__exit__(None, None, None)
+        shards.append(ShardSpec(len(shards), state["uri"], state["first"], state["n"], state["b"]))
+
+    def open_next(first_line: int) -> None:
+        uri = shard_uri(work_prefix, len(shards))
+        cm = storage.open_write(uri)
+        state.update(cm=cm, fh=cm.__enter__(), uri=uri, first=first_line, n=0, b=0)
+
+    try:
+        with storage.open_read(input_uri) as src:
+            for line_no, line in enumerate(src, start=1):
+                if line_no > report.last_request_line:
+                    break  # only trailing blank lines remain
+                if line_no == 1 and line.startswith(UTF8_BOM):
+                    line = line[len(UTF8_BOM):]
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                if "cm" in state and (
+                    state["n"] >= plan.requests_per_shard
+                    or state["b"] + len(line) > plan.bytes_per_shard
+                ):
+                    close_current()
+                if "cm" not in state:
+                    open_next(line_no)
+                state["fh"].write(line)
+                state["n"] += 1
+                state["b"] += len(line)
+        close_current()
+    except BaseException as exc:
+        cm = state.pop("cm", None)
+        if cm is not None:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    total = sum(s.num_requests for s in shards)
+    if total != report.total_requests:
+        raise RuntimeError(
+            f"split wrote {total} requests but validation counted {report.total_requests}; "
+            f"{input_uri} changed between validation and split"
+        )
+    return shards

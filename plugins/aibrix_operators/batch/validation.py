@@ -1,0 +1,354 @@
+"""Streaming validation of an OpenAI Batch JSONL file.
+
+The file is read line by line and never held whole; the only state that grows
+with the file is 12 bytes per request (a 64-bit hash of its ``custom_id`` and
+its line number), used to find duplicate ids at the end. Errors are reported
+like OpenAI's batch ``errors`` object: line number, code, message, param.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.records import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    SUPPORTED_ENDPOINTS,
+)
+
+UTF8_BOM = b"\xef\xbb\xbf"
+_SKIP_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_reported_errors: int = 100
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int | None
+    code: str
+    message: str
+    param: str | None = None
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+@dataclass
+class ValidationReport:
+    """What validation learned about a file: its shape if valid, its errors if not."""
+
+    endpoint: str | None = None
+    model: str | None = None
+    total_requests: int = 0
+    total_bytes: int = 0
+    # The number of the last line that holds a request (trailing blank lines excluded).
+    last_request_line: int = 0
+    errors: list[LineError] = field(default_factory=list)
+    error_count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_count == 0
+
+    def as_openai_errors(self) -> dict[str, Any]:
+        """OpenAI's ``errors`` object; ``total`` counts errors beyond the listed ones."""
+        return {
+            "object": "list",
+            "data": [e.as_openai() for e in self.errors],
+            "total": self.error_count,
+        }
+
+    def summary(self) -> str:
+        if self.ok:
+            return (
+                f"valid batch: {self.total_requests} requests, {self.total_bytes} bytes, "
+                f"endpoint {self.endpoint}, model {self.model}"
+            )
+        shown = "\n".join(
+            f"  line {e.line}: [{e.code}] {e.message}" if e.line else f"  [{e.code}] {e.message}"
+            for e in self.errors
+        )
+        more = self.error_count - len(self.errors)
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        return f"batch input failed validation with {self.error_count} error(s):\n{shown}{tail}"
+
+
+class BatchValidationError(Exception):
+    """Raised by callers that want an exception; carries the full report."""
+
+    def __init__(self, report: ValidationReport) -> None:
+        super().__init__(report.summary())
+        self.report = report
+
+
+class _Collector:
+    def __init__(self, report: ValidationReport, cap: int) -> None:
+        self.report = report
+        self.cap = cap
+
+    def add(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
+        self.report.error_count += 1
+        if len(self.report.errors) < self.cap:
+            self.report.errors.append(LineError(line, code, message, param))
+
+
+def _read_lines(stream: BinaryIO, max_line: int) -> Iterator[tuple[bytes, bool, int]]:
+    """Yield ``(line, too_long, size)``; an over-long line is skipped, not buffered."""
+    readline = stream.readline
+    limit = max_line + 2  # room for "\r\n" after a line of exactly max_line bytes
+    while True:
+        line = readline(limit)
+        if not line:
+            return
+        if len(line) == limit and not line.endswith(b"\n"):
+            size = len(line)
+            while True:
+                rest = readline(_SKIP_CHUNK)
+                size += len(rest)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield b"", True, size
+        else:
+            yield line, False, len(line)
+
+
+def validate_stream(
+    stream: BinaryIO,
+    endpoint: str | None = None,
+    limits: ValidationLimits | None = None,
+    reopen: Callable[[], BinaryIO] | None = None,
+) -> ValidationReport:
+    """Validate a batch file read from ``stream``.
+
+    ``endpoint`` is the batch's endpoint; if omitted, the first line's ``url``
+    sets it. ``reopen`` returns a fresh stream over the same file; it is used
+    only to confirm suspected duplicate ids (a 64-bit hash collision must not
+    fail a valid batch) and, without it, suspected duplicates are reported as is.
+    """
+    limits = limits or ValidationLimits()
+    report = ValidationReport(endpoint=endpoint)
+    err = _Collector(report, limits.max_reported_errors)
+    if endpoint is not None and endpoint not in SUPPORTED_ENDPOINTS:
+        err.add(None, "invalid_endpoint",
+                f"endpoint {endpoint!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}",
+                "endpoint")
+        return report
+
+    id_hashes = array("q")
+    id_lines = array("l")
+    blank_lines: list[int] = []
+    line_no = 0
+    total_bytes = 0
+    last_had_newline = True
+
+    for raw, too_long, size in _read_lines(stream, limits.max_line_bytes):
+        line_no += 1
+        total_bytes += size
+        if total_bytes > limits.max_file_bytes:
+            err.add(None, "file_too_large",
+                    f"file is larger than the limit of {limits.max_file_bytes} bytes "
+                    f"(exceeded at line {line_no}); split it into several batches "
+                    "or raise max_file_bytes", "max_file_bytes")
+            break
+        if too_long:
+            _flush_blank(blank_lines, err)
+            err.add(line_no, "line_too_large",
+                    f"line is {size} bytes, over the limit of {limits.max_line_bytes} bytes; "
+                    "shorten the request or raise max_line_bytes")
+            report.total_requests += 1
+            report.last_request_line = line_no
+            continue
+        last_had_newline = raw.endswith(b"\n")
+        if line_no == 1 and raw.startswith(UTF8_BOM):
+            err.add(1, "bom_not_allowed",
+                    "file starts with a UTF-8 byte order mark; save it as UTF-8 without BOM")
+            raw = raw[len(UTF8_BOM):]
+        if raw.endswith(b"\r\n"):
+            err.add(line_no, "crlf_line_ending",
+                    "line ends with CRLF (\\r\\n); use Unix line endings (\\n)")
+        if not raw.strip():
+            blank_lines.append(line_no)
+            continue
+        _flush_blank(blank_lines, err)
+        report.total_requests += 1
+        report.last_request_line = line_no
+        if report.total_requests > limits.max_requests:
+            err.add(line_no, "too_many_requests",
+                    f"file has more than {limits.max_requests} requests; split it into several "
+                    "batches or raise max_requests", "max_requests")
+            break
+        record = _parse_line(raw, line_no, last_had_newline, err)
+        if record is None:
+            continue
+        custom_id = _check_record(record, line_no, report, err)
+        if custom_id is not None:
+            id_hashes.append(hash(custom_id))
+            id_lines.append(line_no)
+
+    report.total_bytes = total_bytes
+    if report.total_requests == 0 and report.error_count == 0:
+        err.add(None, "empty_file", "file holds no requests")
+    _report_duplicates(id_hashes, id_lines, err, reopen, limits.max_line_bytes)
+    return report
+
+
+def _flush_blank(blank_lines: list[int], err: _Collector) -> None:
+    # Blank lines are fine at the end of a file; before a request they are a mistake.
+    for n in blank_lines:
+        err.add(n, "blank_line", "blank line between requests; remove it")
+    blank_lines.clear()
+
+
+def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) -> Any:
+    try:
+        return loads(raw)
+    except ValueError as exc:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as ude:
+            err.add(line_no, "invalid_encoding",
+                    f"line is not valid UTF-8 (byte offset {ude.start} in the line); "
+                    "re-encode the file as UTF-8")
+            return None
+        if not had_newline:
+            err.add(line_no, "truncated_line",
+                    f"last line is not complete JSON and has no final newline; the file looks "
+                    f"truncated ({exc})")
+        else:
+            err.add(line_no, "invalid_json_line", f"line is not valid JSON: {exc}")
+        return None
+
+
+def _check_record(
+    record: Any, line_no: int, report: ValidationReport, err: _Collector
+) -> str | None:
+    if not isinstance(record, dict):
+        err.add(line_no, "invalid_json_line",
+                f"line is a JSON {type(record).__name__}, not an object with "
+                "custom_id, method, url and body")
+        return None
+    custom_id = record.get("custom_id")
+    if custom_id is None:
+        err.add(line_no, "missing_required_parameter", "custom_id is missing", "custom_id")
+    elif not isinstance(custom_id, str) or not custom_id:
+        err.add(line_no, "invalid_parameter_type", "custom_id must be a non-empty string",
+                "custom_id")
+        custom_id = None
+
+    method = record.get("method")
+    if method is None:
+        err.add(line_no, "missing_required_parameter", "method is missing", "method")
+    elif method != "POST":
+        err.add(line_no, "invalid_method", f"method is {method!r}; only 'POST' is supported",
+                "method")
+
+    url = record.get("url")
+    if url is None:
+        err.add(line_no, "missing_required_parameter", "url is missing", "url")
+    elif url not in SUPPORTED_ENDPOINTS:
+        err.add(line_no, "invalid_url",
+                f"url {url!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", "url")
+    elif report.endpoint is None:
+        report.endpoint = url
+    elif url != report.endpoint:
+        err.add(line_no, "mismatched_endpoint",
+                f"url {url!r} differs from the batch endpoint {report.endpoint!r}; "
+                "a batch targets one endpoint", "url")
+
+    body = record.get("body")
+    if body is None:
+        err.add(line_no, "missing_required_parameter", "body is missing", "body")
+        return custom_id
+    if not isinstance(body, dict):
+        err.add(line_no, "invalid_parameter_type", "body must be a JSON object", "body")
+        return custom_id
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        err.add(line_no, "missing_model", "body.model must be a non-empty string", "body.model")
+    elif report.model is None:
+        report.model = model
+    elif model != report.model:
+        err.add(line_no, "mismatched_model",
+                f"body.model {model!r} differs from {report.model!r} (first seen earlier); "
+                "a batch uses one model", "body.model")
+    return custom_id
+
+
+def _report_duplicates(
+    hashes: array,
+    lines: array,
+    err: _Collector,
+    reopen: Callable[[], BinaryIO] | None,
+    max_line: int,
+) -> None:
+    suspects = _lines_with_colliding_hashes(hashes, lines)
+    if not suspects:
+        return
+    ids_at = _ids_at_lines(reopen, suspects, max_line) if reopen else None
+    if ids_at is None:
+        first_line: dict[int, int] = {}
+        for n in sorted(suspects):
+            h = suspects[n]
+            if h in first_line:
+                err.add(n, "duplicate_custom_id",
+                        f"custom_id is a duplicate of the one on line {first_line[h]}", "custom_id")
+            else:
+                first_line[h] = n
+        return
+    first_seen: dict[str, int] = {}
+    for n in sorted(ids_at):
+        cid = ids_at[n]
+        if cid in first_seen:
+            err.add(n, "duplicate_custom_id",
+                    f"custom_id {cid!r} already appears on line {first_seen[cid]}; "
+                    "custom_id must be unique in a batch", "custom_id")
+        else:
+            first_seen[cid] = n
+
+
+def _lines_with_colliding_hashes(hashes: array, lines: array) -> dict[int, int]:
+    """Line numbers whose id hash occurs more than once → that hash."""
+    if len(hashes) < 2:
+        return {}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        seen: dict[int, list[int]] = {}
+        for h, n in zip(hashes, lines, strict=True):
+            seen.setdefault(h, []).append(n)
+        return {n: h for h, ns in seen.items() if len(ns) > 1 for n in ns}
+    h = np.frombuffer(hashes, dtype=np.int64)
+    order = np.argsort(h, kind="stable")
+    sorted_h = h[order]
+    same_as_next = sorted_h[1:] == sorted_h[:-1]
+    if not same_as_next.any():
+        return {}
+    dup = np.zeros(len(sorted_h), dtype=bool)
+    dup[1:] |= same_as_next
+    dup[:-1] |= same_as_next
+    ln = np.frombuffer(lines, dtype=np.int64 if lines.itemsize == 8 else np.int32)
+    return {int(ln[i]): int(sorted_h[j]) for j, i in enumerate(order) if dup[j]}
+
+
+def _ids_at_lines(
+    reopen: Callable[[], BinaryIO], wanted: dict[int, int], max_line: int
+) -> dict[int, str]:
+    found: dict[int, str] = {}
+    with reopen() as stream:
+        for line_no, (raw, too_long, _) in enumerate(_read_lines(stream, max_line), start=1):
+            if line_no in wanted and not too_long:
+                found[line_no] = loads(raw.lstrip(UTF8_BOM))["custom_id"]
+                if len(found) == len(wanted):
+                    break
+    return found

@@ -1,0 +1,10 @@
+"""The batch driver: sends one shard's requests to an OpenAI-compatible server.
+
+No Airflow imports: it runs inside an Airflow worker (local mode) and inside the
+slim driver pod (Kubernetes mode) alike.
+"""
+
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.runner import ShardOutcome, run_shard
+
+__all__ = ["DriverConfig", "ShardOutcome", "run_shard"]

@@ -1,0 +1,55 @@
+"""Which failures are worth another attempt, and how long to wait before it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+
+# 408 Request Timeout, 409 (vLLM/OpenAI use it for transient conflicts), 429 and 5xx.
+RETRYABLE_STATUS = frozenset({408, 409, 429})
+
+
+def is_retryable_status(status: int) -> bool:
+    return status in RETRYABLE_STATUS or 500 <= status <= 599
+
+
+def is_retryable_exception(exc: BaseException) -> bool:
+    """Timeouts and broken connections are transient; anything else is a bug or bad input."""
+    return isinstance(
+        exc,
+        asyncio.TimeoutError
+        | aiohttp.ServerTimeoutError
+        | aiohttp.ClientConnectionError
+        | aiohttp.ClientPayloadError,
+    )
+
+
+def exception_code(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
+        return "connection_error"
+    return "request_failed"
+
+
+def backoff_delay(
+    attempt: int, base_s: float, max_s: float, retry_after: float | None = None,
+    rng: random.Random | None = None,
+) -> float:
+    """Exponential backoff with full jitter; a server's Retry-After is a floor."""
+    cap = min(max_s, base_s * (2 ** (attempt - 1)))
+    delay = (rng or random).uniform(0, cap)
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, max_s))
+    return delay
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # HTTP-date form: fall back to our own backoff

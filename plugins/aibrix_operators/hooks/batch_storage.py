@@ -1,0 +1,30 @@
+"""Storage for batch files, with S3 credentials from an Airflow connection."""
+
+from __future__ import annotations
+
+from airflow.sdk import BaseHook
+
+from aibrix_operators.storage import Storage, is_s3, storage_for
+
+
+class BatchStorageHook(BaseHook):
+    """Opens local paths and ``s3://`` URIs.
+
+    With ``aws_conn_id`` set, S3 access uses that Airflow connection (keys,
+    region, ``endpoint_url`` in its extras); left empty, boto3's own sources
+    (environment, instance profile) apply, which is what a driver pod uses.
+    """
+
+    conn_name_attr = "aws_conn_id"
+    hook_name = "AIBrix batch storage"
+
+    def __init__(self, aws_conn_id: str | None = None) -> None:
+        super().__init__()
+        self.aws_conn_id = aws_conn_id or None
+
+    def storage_for(self, uri: str) -> Storage:
+        if is_s3(uri) and self.aws_conn_id:
+            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+            return storage_for(uri, S3Hook(aws_conn_id=self.aws_conn_id).get_conn())
+        return storage_for(uri)

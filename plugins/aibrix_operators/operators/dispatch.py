@@ -1,0 +1,99 @@
+"""Run one shard's requests: the step that is swappable between execution modes.
+
+``execution_mode="local"`` runs the batch driver inside the Airflow worker.
+``"kubernetes"`` (a later step of the roadmap) will run the same driver
+(``python -m aibrix_operators.driver``) in a pod; validation, splitting and
+merging do not change, because the driver reads its shard from and writes its
+results to the same URIs in both modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from aibrix_operators.batch.job import ValidatedBatch, run_shard_of_batch, work_prefix
+from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.hooks.batch_storage import BatchStorageHook
+from aibrix_operators.storage import Storage
+
+EXECUTION_MODES = ("local", "kubernetes")
+
+
+class ShardExecutor(Protocol):
+    def run(self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig) -> dict[str, Any]: ...
+
+
+class LocalShardExecutor:
+    """Runs the driver in this process (the Airflow worker)."""
+
+    def run(self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig) -> dict[str, Any]:
+        started = int(time.time())
+        outcome = asyncio.run(run_shard_of_batch(storage, shard, work, config))
+        return {**outcome.as_dict(), "started_at": started}
+
+
+def executor_for(mode: str) -> ShardExecutor:
+    if mode == "local":
+        return LocalShardExecutor()
+    if mode == "kubernetes":
+        raise AirflowFailException(
+            "execution_mode 'kubernetes' is not available in this release; use 'local' "
+            "(see docs/dispatch.md for the seam it will use)"
+        )
+    raise AirflowFailException(f"execution_mode {mode!r} is not one of {EXECUTION_MODES}")
+
+
+class DispatchShardOperator(BaseOperator):
+    """Send one shard's requests to an OpenAI-compatible endpoint; map it over shards."""
+
+    template_fields: Sequence[str] = (
+        "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
+        "execution_mode", "aws_conn_id",
+    )
+
+    def __init__(
+        self,
+        *,
+        shard: Any,
+        validated: Any,
+        endpoint: str,
+        concurrency: int = 64,
+        max_attempts: int = 5,
+        request_timeout_s: float = 600.0,
+        execution_mode: str = "local",
+        api_key_env: str | None = "OPENAI_API_KEY",
+        aws_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.shard = shard
+        self.validated = validated
+        self.endpoint = endpoint
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.request_timeout_s = request_timeout_s
+        self.execution_mode = execution_mode
+        self.api_key_env = api_key_env
+        self.aws_conn_id = aws_conn_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        shard = ShardSpec.from_dict(self.shard)
+        batch = ValidatedBatch.from_dict(self.validated)
+        try:
+            config = DriverConfig(
+                endpoint=self.endpoint, concurrency=int(self.concurrency),
+                max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
+                deadline=float(batch.expires_at), api_key_env=self.api_key_env,
+            )
+        except ValueError as exc:
+            raise AirflowFailException(str(exc)) from exc
+        storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
+        work = work_prefix(batch.output_uri, context["run_id"])
+        return executor_for(self.execution_mode).run(storage, shard, work, config)
