@@ -1,0 +1,94 @@
+"""Every setting of the connector, in one place.
+
+Settings come from vLLM's ``kv_connector_extra_config`` dict. ``KVCacheSettings.from_extra``
+is the only parser; docs/kvcache.md lists the same keys and defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_MODES = ("pipelined", "sync")
+_EVICTION = ("s3fifo", "lru")
+_L2_BACKENDS = ("none", "fs", "redis")
+
+
+@dataclass(frozen=True)
+class KVCacheSettings:
+    """Connector settings; field names are the extra_config keys."""
+
+    # "pipelined": layer-wise save behind compute and prefetched loads; "sync": neither.
+    mode: str = "pipelined"
+    # Tokens per stored chunk; a multiple of vLLM's block size (0 = one block).
+    chunk_tokens: int = 0
+    # Layers whose loads may be in flight ahead of the layer being computed (0 = all).
+    prefetch_window: int = 0
+    # Worker threads that move bytes between tiers and the paged KV cache.
+    io_threads: int = 2
+    # L1: bounded CPU memory pool.
+    l1_capacity_bytes: int = 1 << 30
+    l1_eviction: str = "s3fifo"
+    # L2: shared between processes; "none", "fs" or "redis".
+    l2_backend: str = "none"
+    l2_fs_path: str = ""
+    l2_redis_url: str = "redis://127.0.0.1:6379/0"
+    # Seconds a Redis operation may take before the tier is treated as down.
+    l2_redis_timeout_s: float = 0.5
+    # After a Redis failure, skip Redis for this long (then try again).
+    l2_redis_retry_s: float = 1.0
+    # L2 writes queued beyond this are dropped (counted), so saves never block compute.
+    l2_write_queue_max: int = 4096
+    # Verify each loaded block's checksum (crc32) and key before using it.
+    verify_checksum: bool = True
+    # Expose the prometheus metrics on this port from the worker process (0 = off).
+    metrics_port: int = 0
+    # Test-only fault injection: while this file exists and says "zeros", loaded
+    # payloads are replaced by zeros before verification.
+    fault_injection_file: str = ""
+    # Extra namespace text, e.g. a model revision, mixed into every key.
+    namespace: str = ""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KVCacheSettings:
+        """Parse and validate extra_config; unknown keys are an error (typos fail loudly)."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kvcache settings: {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = known[name].default
+            if isinstance(default, bool):
+                values[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true")
+            else:
+                values[name] = type(default)(value)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.l1_eviction not in _EVICTION:
+            raise ValueError(f"l1_eviction must be one of {_EVICTION}, got {self.l1_eviction!r}")
+        if self.l2_backend not in _L2_BACKENDS:
+            raise ValueError(f"l2_backend must be one of {_L2_BACKENDS}, got {self.l2_backend!r}")
+        if self.l2_backend == "fs" and not self.l2_fs_path:
+            raise ValueError("l2_backend=fs needs l2_fs_path")
+        if self.l1_capacity_bytes < 0 or self.chunk_tokens < 0 or self.prefetch_window < 0:
+            raise ValueError("sizes must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.mode == "pipelined"
+
+    def chunk_size(self, block_size: int) -> int:
+        """Tokens per chunk, checked against vLLM's block size."""
+        chunk = self.chunk_tokens or block_size
+        if chunk % block_size:
+            raise ValueError(f"chunk_tokens={chunk} is not a multiple of block size {block_size}")
+        return chunk

@@ -1,0 +1,152 @@
+"""Build vLLM launch lines for this connector, and run a local server (tests, benches).
+
+``kv_transfer_config(...)`` is the JSON for ``--kv-transfer-config``; ``LocalServer`` starts
+an OpenAI-compatible vLLM server on 127.0.0.1, waits until it is healthy and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kv_transfer_config(extra: dict[str, Any] | None = None, role: str = "kv_both") -> dict[str, Any]:
+    """``--kv-transfer-config`` for KVCacheConnector with the given extra_config."""
+    return {
+        "kv_connector": "KVCacheConnector",
+        "kv_connector_module_path": "kvcache.connector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra or {}),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A vLLM OpenAI server on 127.0.0.1 (CPU), started and stopped by the caller."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        kv_config: dict[str, Any] | None = None,
+        prefix_caching: bool = False,
+        max_model_len: int = 4096,
+        kv_cache_bytes: int = 512 << 20,
+        threads_bind: str | None = None,
+        log_path: str | Path | None = None,
+        work_dir: str | Path | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        work = Path(work_dir or REPO / ".work")
+        (work / "tmp").mkdir(parents=True, exist_ok=True)
+        (work / "cache").mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_path or work / f"vllm-{self.port}.log")
+        self.cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
+            "--enable-prompt-tokens-details", "--disable-log-stats",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        ]  # fmt: skip
+        if kv_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        self.cmd += list(extra_args or [])
+        self.env = dict(os.environ)
+        if threads_bind is not None:
+            # Pin the same way in every compared run: vLLM's automatic choice differs
+            # with and without a connector on small machines.
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+        self.env.update(
+            VLLM_CACHE_ROOT=str(work / "cache"),
+            TMPDIR=str(work / "tmp"),
+            HF_HUB_OFFLINE="1",
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p),
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 240.0) -> LocalServer:
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited ({self.proc.returncode}); log: {self.log_path}\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM not healthy in {timeout_s}s; log: {self.log_path}\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        # The server spawns an engine process; signal the whole session we started.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- client ------------------------------------------------------------------------
+    def complete(
+        self, prompt: str | list[int], max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0
+    ) -> dict[str, Any]:
+        """Greedy /v1/completions; returns the parsed JSON response."""
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "seed": 0,
+        }  # fmt: skip
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        req = urllib.request.Request(
+            self.url + "/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+
+def cached_tokens(response: dict[str, Any]) -> int:
+    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)

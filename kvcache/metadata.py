@@ -1,0 +1,49 @@
+"""What the scheduler side tells the worker side each step, and what comes back.
+
+These are the only channel between the two halves (they may live in different
+processes), so they hold plain data: chunk hashes and block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache._compat import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class ChunkTransfer:
+    """One chunk to move: its key, and the paged-cache block for each of its blocks.
+
+    ``blocks`` pairs (index of the block inside the chunk, block id in vLLM's cache); a
+    load may skip leading blocks that vLLM's own prefix cache already holds.
+    """
+
+    chunk_hash: str
+    blocks: list[tuple[int, int]]
+    req_id: str = ""
+
+
+@dataclass
+class KVCacheStepMetadata(KVConnectorMetadata):
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+    # Tokens per chunk, so the worker never has to guess.
+    chunk_tokens: int = 0
+
+
+@dataclass
+class KVCacheWorkerReport(KVConnectorWorkerMetadata):
+    """Chunks the worker committed to / dropped from L1 since its last report."""
+
+    stored: set[str] = field(default_factory=set)
+    evicted: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVCacheWorkerReport)
+        # With several TP ranks a chunk is only usable when every rank has it; the
+        # scheduler index is an optimisation (a wrong guess is a recompute), so union it.
+        return KVCacheWorkerReport(self.stored | other.stored, self.evicted | other.evicted)

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the connector (prometheus-client, process-global registry).
+
+Both halves of the connector may share a process (vLLM's single-worker executor), so
+the metrics are module-level singletons. ``serve(port)`` exposes them from the worker
+process; vLLM's own stats hook gets a per-interval summary (see ``KVCacheStats``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+try:  # vLLM's connector stats hook; absent when used without vLLM (the GPU bench).
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # pragma: no cover - depends on the environment
+    KVConnectorStats = object  # type: ignore[misc,assignment]
+
+_LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+HITS = Counter("kvcache_hit_chunks", "Chunks loaded from a tier", ["tier"])
+MISSES = Counter("kvcache_miss_chunks", "Chunks the worker could not load", ["reason"])
+SCHED_QUERY_TOKENS = Counter("kvcache_lookup_tokens", "Prompt tokens looked up by the scheduler")
+SCHED_HIT_TOKENS = Counter("kvcache_lookup_hit_tokens", "Prompt tokens the scheduler found stored")
+TOKENS_LOADED = Counter("kvcache_tokens_loaded", "Tokens whose KV was loaded into the paged cache")
+TOKENS_SAVED = Counter("kvcache_tokens_saved", "Tokens whose KV was saved out of the paged cache")
+BYTES_LOADED = Counter("kvcache_bytes_loaded", "Bytes read from a tier", ["tier"])
+BYTES_SAVED = Counter("kvcache_bytes_saved", "Bytes written to a tier", ["tier"])
+TIER_BYTES = Gauge("kvcache_tier_bytes", "Bytes held by a tier", ["tier"])
+TIER_CAPACITY = Gauge("kvcache_tier_capacity_bytes", "Capacity of a tier", ["tier"])
+EVICTIONS = Counter("kvcache_evictions", "Chunks evicted", ["tier"])
+INTEGRITY_FAILURES = Counter("kvcache_integrity_failures", "Loaded records failing key/layout/checksum")
+L2_ERRORS = Counter("kvcache_l2_errors", "L2 operations that failed (tier unreachable)", ["op"])
+L2_DROPPED = Counter("kvcache_l2_writes_dropped", "L2 writes dropped because the queue was full")
+LOAD_SECONDS = Histogram("kvcache_load_seconds", "Per-step load time (all layers)", buckets=_LAT_BUCKETS)
+SAVE_SECONDS = Histogram(
+    "kvcache_save_wait_seconds", "Per-step time blocked in wait_for_save", buckets=_LAT_BUCKETS
+)
+
+_served: set[int] = set()
+_serve_lock = threading.Lock()
+
+
+def serve(port: int) -> None:
+    """Start the metrics HTTP endpoint on 127.0.0.1:port once per process."""
+    with _serve_lock:
+        if port and port not in _served:
+            start_http_server(port, addr="127.0.0.1")
+            _served.add(port)
+
+
+@dataclass
+class KVCacheStats(KVConnectorStats):  # type: ignore[misc,valid-type]
+    """Per-interval counters handed to vLLM's connector stats hook (summed across workers)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> KVCacheStats:
+        for k, v in other.data.items():
+            self.add(k, v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data

@@ -1,0 +1,201 @@
+"""Scheduler side: decides what to load and what to save, and says so in step metadata.
+
+It never touches KV bytes. It knows what L1 holds from the worker's reports (chunks
+stored / evicted) and asks L2 whether a chunk's records exist. A wrong guess is safe:
+the worker reports the blocks it could not load and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache import metrics
+from kvcache.config import KVCacheSettings
+from kvcache.keys import KeyNamespace, chunk_hashes, storage_key
+from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
+from kvcache.tiers import L2Store, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    """What the scheduler tracks for one running request."""
+
+    hashes: list[str]  # chained hashes of the prompt's full chunks
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # chunks [0, saved_upto) are stored or queued to be
+
+
+@dataclass
+class _PendingLoad:
+    hashes: list[str]
+    num_external_tokens: int
+
+
+class KVCacheScheduler:
+    def __init__(
+        self,
+        settings: KVCacheSettings,
+        namespace: KeyNamespace,
+        block_size: int,
+        l2: L2Store | None,
+        can_load: bool = True,
+        can_save: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.ns = namespace.prefix()
+        self.block_size = block_size
+        self.chunk = namespace.chunk_tokens
+        self.blocks_per_chunk = self.chunk // block_size
+        self.l2 = l2
+        self.can_load = can_load
+        self.can_save = can_save
+        self.layers = namespace.num_layers
+        self.l1_index: set[str] = set()
+        self._hash_cache: dict[str, list[str]] = {}
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._reqs: dict[str, _ReqState] = {}
+
+    # -- lookup ----------------------------------------------------------------------------
+    def _hashes(self, req_id: str, prompt: list[int]) -> list[str]:
+        cached = self._hash_cache.get(req_id)
+        if cached is None:
+            cached = chunk_hashes(self.namespace, prompt)
+            self._hash_cache[req_id] = cached
+        return cached
+
+    def num_matched_tokens(self, req_id: str, prompt: list[int], num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` whose KV we can load (side-effect free for vLLM)."""
+        if not self.can_load or not prompt:
+            return 0
+        hashes = self._hashes(req_id, prompt)
+        # Leave at least one prompt token to compute: vLLM needs logits for it.
+        usable = min(len(hashes), (len(prompt) - 1) // self.chunk)
+        hit = self._leading_hits(hashes[:usable])
+        metrics.SCHED_QUERY_TOKENS.inc(max(0, len(prompt) - num_computed_tokens))
+        matched = max(0, hit * self.chunk - num_computed_tokens)
+        metrics.SCHED_HIT_TOKENS.inc(matched)
+        return matched
+
+    def _leading_hits(self, hashes: list[str]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.l1_index:
+            n += 1
+        rest = hashes[n:]
+        if not rest or self.l2 is None:
+            return n
+        groups = [[storage_key(self.ns, 0, h, layer) for layer in range(self.layers)] for h in rest]
+        try:
+            found = self.l2.present(groups)
+        except TierUnavailable:
+            metrics.L2_ERRORS.labels("lookup").inc()
+            return n
+        for h, ok in zip(rest, found, strict=True):
+            if not (ok or h in self.l1_index):
+                break
+            n += 1
+        return n
+
+    def after_alloc(self, req_id: str, prompt: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._pending_loads[req_id] = _PendingLoad(self._hashes(req_id, prompt), num_external_tokens)
+
+    # -- per step --------------------------------------------------------------------------
+    def build_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> KVCacheStepMetadata:
+        """Loads for newly scheduled requests, saves for every chunk completed this step."""
+        meta = KVCacheStepMetadata(chunk_tokens=self.chunk)
+        queued: set[str] = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            block_ids = list(new.block_ids[0]) if new.block_ids else []
+            prompt = list(new.prompt_token_ids or [])
+            if not self._cacheable(new) or not prompt:
+                continue
+            state = _ReqState(self._hashes(new.req_id, prompt), block_ids)
+            self._reqs[new.req_id] = state
+            pending = self._pending_loads.pop(new.req_id, None)
+            if pending is not None:
+                self._add_load(meta, new.req_id, state, new.num_computed_tokens, pending.num_external_tokens)
+            computed_after = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(
+                new.req_id, 0
+            )
+            self._add_saves(meta, new.req_id, state, computed_after, queued)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            pending = self._pending_loads.pop(req_id, None)
+            if pending is not None:  # a preempted request resumed with an external hit
+                self._add_load(
+                    meta, req_id, state, cached.num_computed_tokens[i], pending.num_external_tokens
+                )
+            computed_after = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(
+                req_id, 0
+            )
+            self._add_saves(meta, req_id, state, computed_after, queued)
+        # Anything still pending was not scheduled after all; it will be asked again.
+        self._pending_loads.clear()
+        return meta
+
+    def _cacheable(self, new: Any) -> bool:
+        # Our keys cover token ids only: multimodal inputs, LoRA adapters and prompt
+        # embeddings change the KV for the same ids, so such requests bypass the cache.
+        return not (new.mm_features or new.lora_request is not None or new.prompt_embeds is not None)
+
+    def _add_load(
+        self, meta: KVCacheStepMetadata, req_id: str, state: _ReqState, num_computed: int, num_external: int
+    ) -> None:
+        first_token = num_computed - num_external
+        first_block = first_token // self.block_size
+        last_block = num_computed // self.block_size  # exclusive
+        for c in range(first_block // self.blocks_per_chunk, last_block // self.blocks_per_chunk):
+            blocks = []
+            for j in range(self.blocks_per_chunk):
+                b = c * self.blocks_per_chunk + j
+                if first_block <= b < last_block:
+                    blocks.append((j, state.block_ids[b]))
+            meta.loads.append(ChunkTransfer(state.hashes[c], blocks, req_id))
+        # Loaded chunks are stored already: never save them again.
+        state.saved_upto = max(state.saved_upto, last_block // self.blocks_per_chunk)
+
+    def _add_saves(
+        self, meta: KVCacheStepMetadata, req_id: str, state: _ReqState, computed_after: int, queued: set[str]
+    ) -> None:
+        if not self.can_save:
+            return
+        done = min(len(state.hashes), computed_after // self.chunk)
+        while state.saved_upto < done:
+            c = state.saved_upto
+            h = state.hashes[c]
+            first = c * self.blocks_per_chunk
+            if (
+                h not in self.l1_index
+                and h not in queued
+                and first + self.blocks_per_chunk <= len(state.block_ids)
+            ):
+                blocks = [(j, state.block_ids[first + j]) for j in range(self.blocks_per_chunk)]
+                meta.saves.append(ChunkTransfer(h, blocks, req_id))
+                queued.add(h)
+            state.saved_upto += 1
+
+    # -- feedback --------------------------------------------------------------------------
+    def on_worker_report(self, report: KVCacheWorkerReport | None) -> None:
+        if report is None:
+            return
+        self.l1_index -= report.evicted
+        self.l1_index |= report.stored
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._hash_cache.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)

@@ -1,0 +1,20 @@
+"""Storage tiers: L1 CPU pool and pluggable shared L2 stores."""
+
+from __future__ import annotations
+
+from kvcache.config import KVCacheSettings
+from kvcache.tiers.base import L2Store, TierUnavailable
+from kvcache.tiers.fs import FilesystemStore
+from kvcache.tiers.l1 import L1Pool
+from kvcache.tiers.redis_store import RedisStore
+
+__all__ = ["FilesystemStore", "L1Pool", "L2Store", "RedisStore", "TierUnavailable", "make_l2"]
+
+
+def make_l2(settings: KVCacheSettings) -> L2Store | None:
+    """The configured L2 store, or None."""
+    if settings.l2_backend == "fs":
+        return FilesystemStore(settings.l2_fs_path)
+    if settings.l2_backend == "redis":
+        return RedisStore(settings.l2_redis_url, settings.l2_redis_timeout_s, settings.l2_redis_retry_s)
+    return None

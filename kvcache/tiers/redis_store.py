@@ -1,0 +1,93 @@
+"""L2 on Redis. An unreachable Redis is a miss, not an error.
+
+After a failure the store stays "down" for ``retry_s`` and answers every call at once
+with TierUnavailable, so an outage costs one timeout, not one per block. The outage and
+the recovery are each logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from kvcache.tiers.base import TierUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, url: str, timeout_s: float = 0.5, retry_s: float = 1.0) -> None:
+        self.url = url
+        self.retry_s = retry_s
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._down = False
+        self.failures = 0
+
+    # -- health ------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._down and time.monotonic() < self._down_until:
+            raise TierUnavailable("redis marked down")
+
+    def _failed(self, exc: Exception) -> TierUnavailable:
+        with self._lock:
+            self.failures += 1
+            self._down_until = time.monotonic() + self.retry_s
+            if not self._down:
+                self._down = True
+                log.warning("kvcache: Redis L2 at %s unreachable (%s); treating as misses", self.url, exc)
+        return TierUnavailable(str(exc))
+
+    def _ok(self) -> None:
+        if self._down:
+            with self._lock:
+                if self._down:
+                    self._down = False
+                    log.warning("kvcache: Redis L2 at %s reachable again", self.url)
+
+    @property
+    def is_down(self) -> bool:
+        return self._down
+
+    # -- L2Store -----------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        self._check()
+        try:
+            value = self._client.get(key)
+        except redis.RedisError as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+        return value
+
+    def put(self, key: str, record: bytes) -> None:
+        self._check()
+        try:
+            self._client.set(key, record)
+        except redis.RedisError as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+
+    def present(self, groups: list[list[str]]) -> list[bool]:
+        if not groups:
+            return []
+        self._check()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for group in groups:
+                pipe.exists(*group)
+            counts = pipe.execute()
+        except redis.RedisError as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+        return [count == len(group) for group, count in zip(groups, counts, strict=True)]
+
+    def close(self) -> None:
+        self._client.close()

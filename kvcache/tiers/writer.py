@@ -1,0 +1,77 @@
+"""Asynchronous write-behind into L2.
+
+The forward pass only enqueues; one background thread encodes and writes. The queue is
+bounded: when L2 is slower than the engine, writes are dropped (and counted) rather than
+ever blocking compute or growing memory without bound. L1 has the data meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from kvcache import codec, metrics
+from kvcache.tiers.base import L2Store, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class L2Writer:
+    def __init__(self, store: L2Store, max_queue: int = 4096) -> None:
+        self.store = store
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="kvcache-l2-writer", daemon=True)
+        self._thread.start()
+        self.written = 0
+        self.failed = 0
+        self.dropped = 0
+
+    def submit(self, key: str, tensor: torch.Tensor, crc: int) -> bool:
+        """Queue one record; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait((key, tensor, crc))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            metrics.L2_DROPPED.inc()
+            return False
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything queued so far is written (or failed). For tests and benches."""
+        done = threading.Event()
+        try:
+            self._queue.put((None, done, 0), timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            key, tensor, crc = item
+            if key is None:
+                tensor.set()  # a flush marker
+                continue
+            try:
+                record = codec.encode(key, tensor, crc)
+                self.store.put(key, record)
+                self.written += 1
+                metrics.BYTES_SAVED.labels(self.store.name).inc(len(record))
+            except TierUnavailable:
+                self.failed += 1
+                metrics.L2_ERRORS.labels("put").inc()
+            except Exception:  # never let the writer thread die: later writes must still go
+                self.failed += 1
+                metrics.L2_ERRORS.labels("put").inc()
+                log.exception("kvcache: L2 write of %s failed", key)
