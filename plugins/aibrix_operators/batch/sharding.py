@@ -58,10 +58,27 @@ def plan_shards(
     """Grow the shard size so the shard count stays within ``max_shards``."""
     if requests_per_shard < 1 or bytes_per_shard < 1 or max_shards < 1:
         raise ValueError("requests_per_shard, bytes_per_shard and max_shards must be positive")
+    # A shard closes before a line that would overflow it, so leave room for one line
+    # (its content plus the newline).
+    line_room = max_line_bytes + 1
     requests = max(requests_per_shard, math.ceil(total_requests / max_shards))
-    # A shard closes before a line that would overflow it, so leave room for one line.
-    needed_bytes = math.ceil(total_bytes / max_shards) + max_line_bytes
-    return ShardPlan(requests, max(bytes_per_shard, needed_bytes))
+    size = max(bytes_per_shard, math.ceil(total_bytes / max_shards) + line_room)
+    # Shards closed by the request limit and shards closed by the byte limit add up:
+    # at most ceil(N/requests) + ceil(T/(size - line_room)) - 1 shards in all. When both
+    # limits bind, give each half of the shard budget so the sum stays <= max_shards.
+    if _shard_bound(total_requests, total_bytes, requests, size, line_room) > max_shards:
+        by_requests = (max_shards + 2) // 2
+        by_bytes = max_shards + 1 - by_requests
+        requests = max(requests_per_shard, math.ceil(total_requests / by_requests))
+        size = max(bytes_per_shard, math.ceil(total_bytes / by_bytes) + line_room)
+    return ShardPlan(requests, size)
+
+
+def _shard_bound(total_requests: int, total_bytes: int, requests: int, size: int, line_room: int) -> int:
+    """An upper bound on the shard count ``split_file`` produces with these limits."""
+    if size <= line_room:
+        return total_requests  # every line may need its own shard
+    return math.ceil(total_requests / requests) + math.ceil(total_bytes / (size - line_room)) - 1
 
 
 def shard_uri(work_prefix: str, index: int) -> str:

@@ -119,6 +119,9 @@ def _read_lines(stream: BinaryIO, max_line: int) -> Iterator[tuple[bytes, bool, 
                 if not rest or rest.endswith(b"\n"):
                     break
             yield b"", True, size
+        elif len(line.rstrip(b"\r\n")) > max_line:
+            # Fits the read limit only thanks to the room left for "\r\n": still too long.
+            yield b"", True, len(line)
         else:
             yield line, False, len(line)
 

@@ -20,6 +20,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from aibrix_operators.batch.job import ValidatedBatch, run_shard_of_batch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.storage import Storage
 
@@ -27,16 +28,28 @@ EXECUTION_MODES = ("local", "kubernetes")
 
 
 class ShardExecutor(Protocol):
-    def run(self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig) -> dict[str, Any]: ...
+    def run(
+        self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig, model: str | None
+    ) -> dict[str, Any]: ...
 
 
 class LocalShardExecutor:
     """Runs the driver in this process (the Airflow worker)."""
 
-    def run(self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig) -> dict[str, Any]:
+    def run(
+        self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig, model: str | None
+    ) -> dict[str, Any]:
         started = int(time.time())
-        outcome = asyncio.run(run_shard_of_batch(storage, shard, work, config))
-        return {**outcome.as_dict(), "started_at": started}
+
+        async def preflight_then_run() -> dict[str, Any]:
+            await check_endpoint(config, model)
+            return (await run_shard_of_batch(storage, shard, work, config)).as_dict()
+
+        try:
+            outcome = asyncio.run(preflight_then_run())
+        except ModelNotServed as exc:
+            raise AirflowFailException(str(exc)) from exc
+        return {**outcome, "started_at": started}
 
 
 def executor_for(mode: str) -> ShardExecutor:
@@ -96,4 +109,4 @@ class DispatchShardOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from exc
         storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
-        return executor_for(self.execution_mode).run(storage, shard, work, config)
+        return executor_for(self.execution_mode).run(storage, shard, work, config, batch.model)

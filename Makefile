@@ -1,0 +1,64 @@
+# Two commands: `make run` (demo batch end to end) and `make test` (the whole suite).
+# Both create what they need: two virtualenvs (Airflow and vLLM must not share one),
+# the system packages the tests use, and the generated local model.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+IVENV := .venv-inference
+WORK := .work
+MODEL := $(WORK)/models/tiny-llama
+PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# Never let a test or a benchmark write caches into $HOME.
+export VLLM_CACHE_ROOT := $(CURDIR)/$(WORK)/cache
+export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
+export HF_HUB_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+
+.PHONY: setup run test test-orchestrator test-inference lint system-packages bench clean
+
+setup: $(VENV)/.installed $(IVENV)/.installed system-packages $(MODEL)/config.json
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(PIP_FLAGS) -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+$(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt pyproject.toml
+	test -x $(IVENV)/bin/python || $(PYTHON) -m venv $(IVENV)
+	$(IVENV)/bin/pip install -q --upgrade pip
+	$(IVENV)/bin/pip install -q $(PIP_FLAGS) -r inference_images/vllm/requirements-cpu.txt
+	# CUDA builds that pip pulls in beside the CPU torch; they fail to import and break transformers.
+	$(IVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(IVENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+# redis-server: the kvcache L2 tier's tests start their own instance on 127.0.0.1.
+system-packages:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+
+$(MODEL)/config.json: inference_images/vllm/make_model.py | $(IVENV)/.installed
+	$(IVENV)/bin/python inference_images/vllm/make_model.py $(MODEL) --preset tiny
+
+run: setup
+	$(VENV)/bin/python scripts/run_example.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: setup lint test-orchestrator test-inference
+
+# Airflow, the driver, S3 and the end-to-end DAG runs.
+test-orchestrator: setup
+	$(VENV)/bin/python -m pytest -q --timeout=900 tests --ignore=tests/kvcache
+
+# The KV-cache connector inside real vLLM CPU servers.
+test-inference: setup
+	$(IVENV)/bin/python -m pytest -q --timeout=900 tests/kvcache
+
+clean:
+	rm -rf $(WORK)/outputs $(WORK)/airflow $(WORK)/logs $(WORK)/tmp

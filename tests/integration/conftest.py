@@ -1,0 +1,89 @@
+"""Fixtures that start real services: vLLM CPU servers, SeaweedFS, Airflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+
+from tests.integration.services import S3Server, airflow_cli, start_seaweedfs, stop_group
+
+INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
+TINY_MODEL = WORK_DIR / "models" / "tiny-llama"
+SERVED_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    if not (TINY_MODEL / "config.json").exists():
+        subprocess.run(
+            [str(INFERENCE_PYTHON), str(REPO_ROOT / "inference_images/vllm/make_model.py"),
+             str(TINY_MODEL), "--preset", "tiny"], check=True,
+        )
+    return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def vllm_chat(tiny_model: Path) -> Iterator[VLLMServer]:
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME,
+                          extra_args=["--enable-prompt-tokens-details"])
+    with VLLMServer(spec) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def airflow_session_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("airflow-home")
+    env = {**os.environ, **airflow_env(home)}
+    # A stray AWS endpoint in the caller's environment must not leak into local runs.
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.pop(key, None)
+    migrated = airflow_cli(env, "db", "migrate")
+    assert migrated.returncode == 0, migrated.stderr[-3000:]
+    return env
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"), "aibrix-test-key", "aibrix-test-secret")
+    try:
+        yield server
+    finally:
+        stop_group(server.proc)
+
+
+def dags_test(env: dict[str, str], conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
+    """Run batch_inference in-process via `airflow dags test`; keep its log for failures."""
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "dags", "test", "batch_inference",
+         "-c", json.dumps(conf)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "dags-test.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chat_requests(n: int, model: str = SERVED_NAME, max_tokens: int = 8) -> list[dict]:
+    return [
+        {"custom_id": f"req-{i:04d}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+                  "messages": [{"role": "user", "content": f"item {i}: summarize the batch pipeline"}]}}
+        for i in range(n)
+    ]
+
+
+def read_jsonl(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

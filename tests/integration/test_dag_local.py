@@ -1,0 +1,94 @@
+"""batch_inference end to end: `airflow dags test` → real vLLM CPU server → local files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, read_jsonl, write_jsonl
+
+
+def assert_chat_completion(record: dict) -> None:
+    assert set(record) == {"id", "custom_id", "response", "error"}
+    assert record["error"] is None
+    response = record["response"]
+    assert response["status_code"] == 200
+    assert response["request_id"]
+    body = response["body"]
+    assert body["object"] == "chat.completion"
+    assert body["model"] == SERVED_NAME
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert isinstance(body["choices"][0]["message"]["content"], str)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0
+    assert usage["completion_tokens"] == 8  # max_tokens on a random model: never stops early
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_dag_answers_every_request_once_in_input_order(vllm_chat, airflow_session_env, tmp_path):
+    requests = chat_requests(45)
+    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
+        "requests_per_shard": 20, "concurrency": 8, "model": SERVED_NAME,
+    }, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+
+    output = read_jsonl((out / "output.jsonl").read_text())
+    assert (out / "errors.jsonl").read_text() == ""
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
+    for record in output:
+        assert_chat_completion(record)
+
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["object"] == "batch" and batch["status"] == "completed"
+    assert batch["endpoint"] == "/v1/chat/completions"
+    assert batch["request_counts"] == {"total": 45, "completed": 45, "failed": 0}
+    prompt_tokens = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in output)
+    assert batch["usage"]["input_tokens"] == prompt_tokens
+    assert batch["usage"]["output_tokens"] == 45 * 8
+    assert batch["created_at"] <= batch["in_progress_at"] <= batch["finalizing_at"] <= batch["completed_at"]
+    # Three shards of ≤20 requests ran as three mapped tasks, each logging progress.
+    shard_dirs = sorted(p.name for p in (next((out / "_work").iterdir()) / "results").iterdir())
+    assert shard_dirs == ["shard-00000", "shard-00001", "shard-00002"]
+    assert proc.stdout.count("done shard-0000") == 3
+
+
+def test_invalid_file_fails_before_inference_with_line_numbers(vllm_chat, airflow_session_env, tmp_path):
+    requests = chat_requests(5)
+    requests[3]["custom_id"] = requests[1]["custom_id"]
+    lines = [json.dumps(r) for r in requests]
+    lines.insert(2, "{not json")
+    input_path = tmp_path / "bad.jsonl"
+    input_path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
+    }, tmp_path)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "line 3: [invalid_json_line]" in log
+    assert "line 5: [duplicate_custom_id]" in log
+
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["status"] == "failed"
+    assert {(e["line"], e["code"]) for e in batch["errors"]["data"]} == {
+        (3, "invalid_json_line"), (5, "duplicate_custom_id"),
+    }
+    # Nothing was split, sent or written: the batch failed before inference.
+    assert not (out / "_work").exists()
+    assert not (out / "output.jsonl").exists()
+
+
+def test_wrong_endpoint_parameter_is_a_clear_error(airflow_session_env, tmp_path):
+    input_path = write_jsonl(tmp_path / "input.jsonl", chat_requests(3))
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": "http://127.0.0.1:9",
+        "batch_endpoint": "/v1/embeddings",
+    }, tmp_path)
+    assert proc.returncode != 0
+    batch = json.loads((out / "batch.json").read_text())
+    assert {e["code"] for e in batch["errors"]["data"]} == {"mismatched_endpoint"}
+    assert Path(out / "output.jsonl").exists() is False
