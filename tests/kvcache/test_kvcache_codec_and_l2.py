@@ -1,0 +1,109 @@
+import pytest
+import torch
+
+from kvcache import codec
+from kvcache.tiers import FilesystemStore, RedisStore, TierUnavailable
+from kvcache.tiers.writer import L2Writer
+
+
+def _expected(key: str, t: torch.Tensor) -> codec.Expected:
+    return codec.Expected(key, t.dtype, tuple(t.shape))
+
+
+def test_roundtrip_and_checks() -> None:
+    t = torch.randn(2, 3, 4)
+    rec = codec.encode("k1", t)
+    out, crc = codec.decode(rec, _expected("k1", t))
+    assert torch.equal(out, t) and crc == codec.checksum(t)
+    with pytest.raises(codec.IntegrityError, match="key"):
+        codec.decode(rec, _expected("k2", t))
+    with pytest.raises(codec.IntegrityError, match="layout"):
+        codec.decode(rec, codec.Expected("k1", torch.float32, (3, 2, 4)))
+    with pytest.raises(codec.IntegrityError, match="layout"):
+        codec.decode(rec, codec.Expected("k1", torch.float16, (2, 3, 4)))
+    flipped = bytearray(rec)
+    flipped[-1] ^= 0x40
+    with pytest.raises(codec.IntegrityError, match="checksum"):
+        codec.decode(bytes(flipped), _expected("k1", t))
+    with pytest.raises(codec.IntegrityError):
+        codec.decode(rec[:-4], _expected("k1", t))
+    with pytest.raises(codec.IntegrityError):
+        codec.decode(b"junk", _expected("k1", t))
+
+
+def _exercise(store) -> None:
+    t = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    assert store.get("kv:ns:r0:aa:L0") is None
+    store.put("kv:ns:r0:aa:L0", codec.encode("kv:ns:r0:aa:L0", t))
+    store.put("kv:ns:r0:aa:L1", codec.encode("kv:ns:r0:aa:L1", t))
+    store.put("kv:ns:r0:bb:L0", codec.encode("kv:ns:r0:bb:L0", t))
+    out, _ = codec.decode(store.get("kv:ns:r0:aa:L0"), _expected("kv:ns:r0:aa:L0", t))
+    assert torch.equal(out, t)
+    groups = [["kv:ns:r0:aa:L0", "kv:ns:r0:aa:L1"], ["kv:ns:r0:bb:L0", "kv:ns:r0:bb:L1"], ["kv:ns:r0:aa:L0"]]
+    assert store.present(groups) == [True, False, True]
+
+
+def test_filesystem_store(tmp_path) -> None:
+    store = FilesystemStore(str(tmp_path))
+    _exercise(store)
+    # Another process's view: a fresh store on the same directory sees the records.
+    assert FilesystemStore(str(tmp_path)).get("kv:ns:r0:aa:L0") is not None
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_redis_store(redis_server) -> None:
+    _exercise(RedisStore(redis_server.url))
+
+
+def test_redis_down_is_unavailable_then_recovers(redis_server) -> None:
+    store = RedisStore(redis_server.url, timeout_s=0.2, retry_s=0.3)
+    store.put("kv:a", b"x")
+    redis_server.stop()
+    with pytest.raises(TierUnavailable):
+        store.get("kv:a")
+    # While marked down, calls fail fast instead of waiting for a timeout each.
+    with pytest.raises(TierUnavailable):
+        store.present([["kv:a"]])
+    assert store.is_down
+    redis_server.start()  # same port, empty (no persistence)
+    import time
+
+    time.sleep(0.35)
+    assert store.get("kv:a") is None
+    assert not store.is_down
+
+
+def test_writer_is_async_and_survives_outage(redis_server) -> None:
+    store = RedisStore(redis_server.url, timeout_s=0.2, retry_s=0.1)
+    writer = L2Writer(store, max_queue=8)
+    t = torch.ones(4)
+    assert writer.submit("kv:w1", t, codec.checksum(t))
+    assert writer.flush()
+    assert redis_server.client().exists("kv:w1") == 1
+    redis_server.stop()
+    writer.submit("kv:w2", t, codec.checksum(t))
+    assert writer.flush()
+    assert writer.failed >= 1
+    redis_server.start()
+    import time
+
+    time.sleep(0.15)
+    writer.submit("kv:w3", t, codec.checksum(t))
+    assert writer.flush()
+    assert redis_server.client().exists("kv:w3") == 1
+    writer.close()
+
+
+def test_writer_drops_when_queue_full(tmp_path) -> None:
+    class SlowStore(FilesystemStore):
+        def put(self, key, record):
+            import time
+
+            time.sleep(0.2)
+            super().put(key, record)
+
+    writer = L2Writer(SlowStore(str(tmp_path)), max_queue=2)
+    t = torch.ones(4)
+    results = [writer.submit(f"kv:n:r0:h{i}:L0", t, codec.checksum(t)) for i in range(10)]
+    assert not all(results) and writer.dropped == results.count(False)
+    writer.close()

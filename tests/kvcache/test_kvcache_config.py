@@ -1,0 +1,26 @@
+import pytest
+
+from kvcache.config import KVCacheSettings
+
+
+def test_defaults_and_parsing() -> None:
+    s = KVCacheSettings.from_extra({"mode": "sync", "l1_capacity_bytes": "1024", "verify_checksum": "false"})
+    assert s.mode == "sync" and not s.pipelined
+    assert s.l1_capacity_bytes == 1024 and s.verify_checksum is False
+    assert KVCacheSettings.from_extra(None).chunk_size(128) == 128
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"mode": "fast"}, {"l2_backend": "s3"}, {"l2_backend": "fs"}, {"l1_eviction": "mru"}, {"typo_key": 1}],
+)
+def test_bad_settings_fail_loudly(extra) -> None:
+    with pytest.raises(ValueError):
+        KVCacheSettings.from_extra(extra)
+
+
+def test_chunk_must_be_block_multiple() -> None:
+    s = KVCacheSettings.from_extra({"chunk_tokens": 192})
+    with pytest.raises(ValueError):
+        s.chunk_size(128)
+    assert KVCacheSettings.from_extra({"chunk_tokens": 256}).chunk_size(128) == 256

@@ -1,0 +1,128 @@
+"""The worker's data path on real tensors, without vLLM: save, then load into other blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.config import KVCacheSettings
+from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata
+from kvcache.tiers import FilesystemStore, RedisStore
+from kvcache.worker import KVCacheWorker
+
+LAYERS, BLOCKS, HEADS, BS, DIM2 = 3, 16, 2, 4, 8
+
+
+def _kv() -> dict[str, torch.Tensor]:
+    # vLLM CPU layout: [num_blocks, kv_heads, block_size, 2*head_dim]
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BS, DIM2) for i in range(LAYERS)}
+
+
+def _worker(settings: dict, l2=None) -> tuple[KVCacheWorker, dict[str, torch.Tensor]]:
+    w = KVCacheWorker(KVCacheSettings.from_extra(settings), "ns", 0, l2)
+    kv = _kv()
+    w.register_kv_caches(kv, BLOCKS, BS)
+    return w, kv
+
+
+def _step(w: KVCacheWorker, meta: KVCacheStepMetadata) -> set[int]:
+    """One engine step as vLLM drives it: load, per layer wait + save, then the barrier."""
+    w.start_load(meta)
+    for name in w.layer_index:
+        w.wait_for_layer(name)
+        w.save_layer(name, meta)
+    w.wait_for_save(meta)
+    return w.take_load_errors()
+
+
+def _fill(kv: dict[str, torch.Tensor], blocks: list[int]) -> None:
+    for i, t in enumerate(kv.values()):
+        for b in blocks:
+            t[b] = torch.randn(HEADS, BS, DIM2) + i
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sync"])
+@pytest.mark.parametrize("window", [0, 1])
+def test_save_then_load_roundtrip(mode: str, window: int) -> None:
+    w, kv = _worker({"mode": mode, "prefetch_window": window, "chunk_tokens": 2 * BS})
+    _fill(kv, [3, 7, 4, 9])
+    saves = [ChunkTransfer("h0", [(0, 3), (1, 7)]), ChunkTransfer("h1", [(0, 4), (1, 9)])]
+    assert _step(w, KVCacheStepMetadata(saves=saves, chunk_tokens=2 * BS)) == set()
+    report = w.take_report()
+    assert report is not None and report.stored == {"h0", "h1"}
+    # Load both chunks into different blocks; skip block 0 of h0 (as if vLLM had it cached).
+    loads = [ChunkTransfer("h0", [(1, 12)]), ChunkTransfer("h1", [(0, 13), (1, 14)])]
+    assert _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=2 * BS)) == set()
+    for t in kv.values():
+        assert torch.equal(t[12], t[7]) and torch.equal(t[13], t[4]) and torch.equal(t[14], t[9])
+    w.shutdown()
+
+
+def test_missing_and_corrupt_chunks_are_reported(tmp_path) -> None:
+    flag = tmp_path / "fault"
+    w, kv = _worker({"fault_injection_file": str(flag)})
+    _fill(kv, [1, 2])
+    meta = KVCacheStepMetadata(
+        saves=[ChunkTransfer("a", [(0, 1)]), ChunkTransfer("b", [(0, 2)])], chunk_tokens=BS
+    )
+    _step(w, meta)
+    before = [t[5].clone() for t in kv.values()]
+    loads = [ChunkTransfer("a", [(0, 5)]), ChunkTransfer("zz", [(0, 6)])]
+    flag.write_text("zeros")
+    assert _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == {5, 6}
+    # A corrupt chunk is never copied into the paged cache.
+    assert all(torch.equal(t[5], b) for t, b in zip(kv.values(), before, strict=True))
+    flag.unlink()
+    assert _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == {6}
+    assert all(torch.equal(t[5], t[1]) for t in kv.values())
+    w.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["fs", "redis"])
+def test_second_process_loads_from_l2(backend: str, tmp_path, redis_server) -> None:
+    """A producer's saves reach L2; a fresh worker (empty L1) loads them and promotes to L1."""
+
+    def store():
+        return FilesystemStore(str(tmp_path)) if backend == "fs" else RedisStore(redis_server.url)
+
+    prod, kv_p = _worker({}, store())
+    _fill(kv_p, [2, 3])
+    _step(prod, KVCacheStepMetadata(saves=[ChunkTransfer("c0", [(0, 2)]), ChunkTransfer("c1", [(0, 3)])],
+                                    chunk_tokens=BS))  # fmt: skip
+    assert prod.writer is not None and prod.writer.flush()
+    cons, kv_c = _worker({}, store())
+    loads = [ChunkTransfer("c0", [(0, 10)]), ChunkTransfer("c1", [(0, 11)])]
+    assert _step(cons, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == set()
+    for tp, tc in zip(kv_p.values(), kv_c.values(), strict=True):
+        assert torch.equal(tc[10], tp[2]) and torch.equal(tc[11], tp[3])
+    report = cons.take_report()
+    assert report is not None and report.stored == {"c0", "c1"}  # promoted to L1
+    if backend == "redis":
+        # A flipped byte in Redis is caught by the checksum, even on the L2 path.
+        r = redis_server.client()
+        cons2, _ = _worker({}, store())
+        key = next(k for k in r.keys("kv:*c0:L1"))
+        val = bytearray(r.get(key))
+        val[-3] ^= 0x01
+        r.set(key, bytes(val))
+        assert _step(cons2, KVCacheStepMetadata(loads=[ChunkTransfer("c0", [(0, 8)])], chunk_tokens=BS)) == {
+            8
+        }
+        cons2.shutdown()
+    prod.shutdown()
+    cons.shutdown()
+
+
+def test_l1_bounded_and_evictions_reported() -> None:
+    one_chunk = LAYERS * HEADS * BS * DIM2 * 4
+    w, kv = _worker({"l1_capacity_bytes": 3 * one_chunk, "l1_eviction": "lru"})
+    _fill(kv, list(range(BLOCKS)))
+    evicted: set[str] = set()
+    for i in range(BLOCKS):
+        _step(w, KVCacheStepMetadata(saves=[ChunkTransfer(f"h{i}", [(0, i)])], chunk_tokens=BS))
+        assert w.l1.bytes_used <= 3 * one_chunk
+        rep = w.take_report()
+        if rep:
+            evicted |= rep.evicted
+    assert len(w.l1) == 3 and len(evicted) == BLOCKS - 3
+    w.shutdown()
