@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+from airflow.sdk import DAG, Param
+
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
@@ -21,7 +23,6 @@ from aibrix_operators.operators import (
     SplitBatchOperator,
     ValidateBatchOperator,
 )
-from airflow.sdk import DAG, Param
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
-
 from tests.integration.services import S3Server, airflow_cli, start_seaweedfs, stop_group
 
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
