@@ -7,8 +7,9 @@ import random
 
 import aiohttp
 
-# 408 Request Timeout, 409 (vLLM/OpenAI use it for transient conflicts), 429 and 5xx.
-RETRYABLE_STATUS = frozenset({408, 409, 429})
+# 408 Request Timeout, 429 Too Many Requests and 5xx; every other 4xx is the request's
+# own fault and would fail the same way again.
+RETRYABLE_STATUS = frozenset({408, 429})
 
 
 def is_retryable_status(status: int) -> bool:

@@ -1,0 +1,176 @@
+"""A real OpenAI-compatible HTTP server that injects faults, for driver tests.
+
+It runs aiohttp.web on 127.0.0.1 (OS-assigned port) in its own thread and event
+loop. Each request's body says how to misbehave: ``body["fault"]`` is a list of
+actions, one per attempt (the last repeats), and ``body["cid"]`` names the
+request so the server can count attempts per id. Actions:
+
+    ok            200 chat completion with usage
+    slow:S        sleep S seconds, then ok
+    hang:S        sleep S seconds (longer than the driver's timeout), then ok
+    429           429 with an OpenAI error body, no Retry-After
+    429ra:S       429 with ``Retry-After: S``
+    500, 503      server errors with an OpenAI error body
+    400           a non-retryable client error
+    drop          close the socket before answering
+    partial       send headers and half the body, then close the socket
+    nonjson       200 with a body that is not JSON
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+
+class FaultServer:
+    def __init__(self) -> None:
+        self.attempts: dict[str, list[float]] = defaultdict(list)  # cid -> arrival times
+        self.lock = threading.Lock()
+        self.inflight = 0
+        self.max_inflight = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-server", daemon=True)
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> FaultServer:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("fault server did not start")
+        return self
+
+    def stop(self) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=0.5)
+        self._loop.run_until_complete(self._runner.setup())
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        site = web.SockSite(self._runner, sock)
+        self._loop.run_until_complete(site.start())
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ------------------------------------------------------------------ accounting
+    def count(self, cid: str) -> int:
+        with self.lock:
+            return len(self.attempts.get(cid, []))
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            return {cid: len(ts) for cid, ts in self.attempts.items()}
+
+    def times(self, cid: str) -> list[float]:
+        with self.lock:
+            return list(self.attempts.get(cid, []))
+
+    # ------------------------------------------------------------------ handler
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.inflight += 1  # the handler runs on the server's single loop thread
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.inflight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        cid = body.get("cid", "?")
+        with self.lock:
+            self.attempts[cid].append(time.monotonic())
+            attempt = len(self.attempts[cid])
+        plan = body.get("fault") or ["ok"]
+        action = plan[min(attempt, len(plan)) - 1]
+        name, _, arg = action.partition(":")
+        if name in ("slow", "hang"):
+            await asyncio.sleep(float(arg))
+            name = "ok"
+        if name == "ok":
+            return web.json_response(_completion(cid, attempt),
+                                     headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name in ("429", "429ra"):
+            headers = {"x-request-id": f"rq-{cid}-{attempt}"}
+            if name == "429ra":
+                headers["Retry-After"] = arg
+            return web.json_response(_error("rate_limit_exceeded", "slow down"), status=429, headers=headers)
+        if name in ("500", "503"):
+            return web.json_response(_error(None, f"server error {name}", "server_error"), status=int(name),
+                                     headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "400":
+            return web.json_response(_error("invalid_value", "messages must not be empty"), status=400,
+                                     headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "nonjson":
+            return web.Response(text="<html>proxy says hi</html>", content_type="text/html",
+                                headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "drop":
+            request.transport.close()
+            raise asyncio.CancelledError()
+        if name == "partial":
+            payload = json.dumps(_completion(cid, attempt)).encode()
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            resp.content_length = len(payload)
+            await resp.prepare(request)
+            await resp.write(payload[: len(payload) // 2])
+            request.transport.close()
+            raise asyncio.CancelledError()
+        raise AssertionError(f"unknown fault action {action!r}")
+
+
+def _completion(cid: str, attempt: int) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{cid}-{attempt}", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {cid}"},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
+
+
+def _error(code: str | None, message: str, type_: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+@pytest.fixture
+def fault_server() -> Iterator[FaultServer]:
+    server = FaultServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def request(cid: str, *fault: str) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                     "cid": cid, "fault": list(fault) or ["ok"]}}
+
+
+@pytest.fixture
+def make_request() -> Callable[..., dict[str, Any]]:
+    """``make_request(cid, *actions)``: one batch input record for the fault server."""
+    return request

@@ -1,0 +1,229 @@
+"""Streaming validation: every error code, the accepted edge cases, the report's shape."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from aibrix_operators.batch.validation import (
+    UTF8_BOM,
+    BatchValidationError,
+    ValidationLimits,
+    validate_stream,
+)
+
+
+def validate(data: bytes, endpoint: str | None = None, reopen: bool = True, **limits):
+    return validate_stream(
+        io.BytesIO(data), endpoint, ValidationLimits(**limits),
+        reopen=(lambda: io.BytesIO(data)) if reopen else None,
+    )
+
+
+def codes(report) -> list[tuple[int | None, str]]:
+    return [(e.line, e.code) for e in report.errors]
+
+
+def test_valid_file_reports_its_shape(lines):
+    data = lines(3)
+    report = validate(data)
+    assert report.ok, report.summary()
+    assert (report.endpoint, report.model) == ("/v1/chat/completions", "m")
+    assert report.total_requests == 3
+    assert report.total_bytes == len(data)
+    assert report.last_request_line == 3
+    assert report.as_openai_errors() == {"object": "list", "data": [], "total": 0}
+
+
+def test_blank_trailing_lines_are_accepted(lines):
+    report = validate(lines(2) + b"\n\n  \n")
+    assert report.ok, report.summary()
+    assert report.total_requests == 2
+    assert report.last_request_line == 2
+
+
+def test_missing_final_newline_is_accepted(lines):
+    report = validate(lines(2).rstrip(b"\n"))
+    assert report.ok, report.summary()
+    assert report.total_requests == 2
+
+
+def test_blank_line_between_requests(lines):
+    data = lines(1, "a") + b"\n" + lines(1, "b")
+    assert codes(validate(data)) == [(2, "blank_line")]
+
+
+def test_invalid_json_line(lines, line):
+    data = lines(1) + b'{"custom_id": "x", "method": \n' + line("y")
+    report = validate(data)
+    assert codes(report) == [(2, "invalid_json_line")]
+    assert "not valid JSON" in report.errors[0].message
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]\n", b'"just a string"\n', b"42\n"])
+def test_json_that_is_not_an_object(raw):
+    assert codes(validate(raw)) == [(1, "invalid_json_line")]
+
+
+def test_invalid_encoding(line):
+    bad = line("ok-1") + line("bad").replace(b'"bad"', b'"b\xff\xfed"') + line("ok-2")
+    report = validate(bad)
+    assert codes(report) == [(2, "invalid_encoding")]
+    assert "UTF-8" in report.errors[0].message
+
+
+def test_bom_not_allowed(lines):
+    report = validate(UTF8_BOM + lines(2))
+    assert codes(report) == [(1, "bom_not_allowed")]
+
+
+def test_crlf_line_ending(lines):
+    data = lines(3).replace(b"\n", b"\r\n")
+    assert codes(validate(data)) == [(1, "crlf_line_ending"), (2, "crlf_line_ending"),
+                                     (3, "crlf_line_ending")]
+
+
+def test_line_too_large_is_skipped_without_losing_line_numbers(line):
+    data = line("a") + line("huge", pad=5000) + line("b", model="other")
+    report = validate(data, max_line_bytes=1000)
+    # the oversized line is reported, and the line after it still gets its own number
+    assert codes(report) == [(2, "line_too_large"), (3, "mismatched_model")]
+    assert report.total_requests == 3
+
+
+def test_line_size_limit_boundary(line):
+    exact = line("a")
+    limit = len(exact) - 1  # content bytes, without the newline
+    assert validate(exact, max_line_bytes=limit).ok
+    over_by_one = line("a", pad=1)
+    assert codes(validate(over_by_one, max_line_bytes=limit)) == [(1, "line_too_large")]
+    over_by_two = line("a", pad=2)
+    assert codes(validate(over_by_two, max_line_bytes=limit)) == [(1, "line_too_large")]
+
+
+def test_truncated_last_line(lines):
+    data = lines(2) + b'{"custom_id": "req-2", "method": "PO'
+    report = validate(data)
+    assert codes(report) == [(3, "truncated_line")]
+    assert "truncated" in report.errors[0].message
+
+
+@pytest.mark.parametrize("field", ["custom_id", "method", "url", "body"])
+def test_missing_required_parameter(line, field):
+    report = validate(line("a", drop=(field,)))
+    assert codes(report) == [(1, "missing_required_parameter")]
+    assert report.errors[0].param == field
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [({"custom_id": 7}, "custom_id"), ({"custom_id": ""}, "custom_id"),
+     ({"body": ["not", "an", "object"]}, "body"), ({"body": "text"}, "body")],
+)
+def test_invalid_parameter_type(line, kwargs, param):
+    report = validate(line(**kwargs))
+    assert codes(report) == [(1, "invalid_parameter_type")]
+    assert report.errors[0].param == param
+
+
+def test_invalid_method(line):
+    report = validate(line(method="GET"))
+    assert codes(report) == [(1, "invalid_method")]
+    assert report.errors[0].param == "method"
+
+
+def test_invalid_url(line):
+    assert codes(validate(line(url="/v1/images/generations"))) == [(1, "invalid_url")]
+
+
+def test_mismatched_endpoint_against_first_line(line):
+    data = line("a") + line("b", url="/v1/completions")
+    assert codes(validate(data)) == [(2, "mismatched_endpoint")]
+
+
+def test_mismatched_endpoint_against_given_endpoint(line):
+    report = validate(line("a"), endpoint="/v1/embeddings")
+    assert codes(report) == [(1, "mismatched_endpoint")]
+
+
+def test_invalid_endpoint_fails_before_reading(line):
+    report = validate(line("a"), endpoint="/v1/moderations")
+    assert [(e.line, e.code, e.param) for e in report.errors] == [
+        (None, "invalid_endpoint", "endpoint")
+    ]
+
+
+@pytest.mark.parametrize("model", [None, "", 5])
+def test_missing_model(line, model):
+    report = validate(line("a", model=model))
+    assert codes(report) == [(1, "missing_model")]
+    assert report.errors[0].param == "body.model"
+
+
+def test_mismatched_model(line):
+    data = line("a", model="m1") + line("b", model="m1") + line("c", model="m2")
+    report = validate(data)
+    assert codes(report) == [(3, "mismatched_model")]
+    assert "'m2'" in report.errors[0].message and "'m1'" in report.errors[0].message
+
+
+@pytest.mark.parametrize("reopen", [True, False])
+def test_duplicate_custom_id(line, reopen):
+    data = line("a") + line("b") + line("a") + line("c") + line("b") + line("a")
+    report = validate(data, reopen=reopen)
+    assert codes(report) == [(3, "duplicate_custom_id"), (5, "duplicate_custom_id"),
+                             (6, "duplicate_custom_id")]
+    assert "line 1" in report.errors[0].message
+    assert "line 2" in report.errors[1].message
+
+
+def test_distinct_ids_are_not_duplicates(lines):
+    assert validate(lines(2000)).ok
+
+
+def test_too_many_requests(lines):
+    report = validate(lines(5), max_requests=3)
+    assert codes(report) == [(4, "too_many_requests")]
+    assert report.errors[0].param == "max_requests"
+    assert validate(lines(3), max_requests=3).ok
+
+
+def test_file_too_large(lines):
+    data = lines(10)
+    report = validate(data, max_file_bytes=len(data) - 1)
+    assert [(e.code, e.param) for e in report.errors] == [("file_too_large", "max_file_bytes")]
+    assert validate(data, max_file_bytes=len(data)).ok
+
+
+@pytest.mark.parametrize("data", [b"", b"\n", b"\n\n   \n"])
+def test_empty_file(data):
+    assert codes(validate(data)) == [(None, "empty_file")]
+
+
+def test_errors_report_shape_and_cap(line):
+    data = b"".join(line(f"id-{i}", method="GET") for i in range(10))
+    report = validate(data, max_reported_errors=3)
+    assert not report.ok
+    errors = report.as_openai_errors()
+    assert errors["object"] == "list"
+    assert errors["total"] == 10
+    assert len(errors["data"]) == 3
+    for n, item in enumerate(errors["data"], start=1):
+        assert set(item) == {"code", "message", "param", "line"}
+        assert item["line"] == n and item["code"] == "invalid_method"
+    json.dumps(errors)  # serializable as is, for batch.json
+    summary = report.summary()
+    assert "10 error(s)" in summary
+    assert "line 1: [invalid_method]" in summary
+    assert "and 7 more" in summary
+
+
+def test_several_errors_on_one_line_and_exception_carries_report(line):
+    report = validate(line(7, method="PUT", url="/v2/x", model=None))
+    assert sorted(e.code for e in report.errors) == [
+        "invalid_method", "invalid_parameter_type", "invalid_url", "missing_model"]
+    exc = BatchValidationError(report)
+    assert exc.report is report
+    assert "invalid_url" in str(exc)
