@@ -96,42 +96,40 @@ def split_file(
     if not report.ok:
         raise ValueError("refusing to split a file that failed validation")
     shards: list[ShardSpec] = []
-    state: dict[str, Any] = {}
-
-    def close_current() -> None:
-        writer_cm = state.pop("cm", None)
-        if writer_cm is None:
-            return
-        writer_cm.__exit__(None, None, None)
-        shards.append(ShardSpec(len(shards), state["uri"], state["first"], state["n"], state["b"]))
-
-    def open_next(first_line: int) -> None:
-        uri = shard_uri(work_prefix, len(shards))
-        cm = storage.open_write(uri)
-        state.update(cm=cm, fh=cm.__enter__(), uri=uri, first=first_line, n=0, b=0)
-
+    # The open shard: its writer's context manager, file, URI, first line, requests, bytes.
+    # Plain locals, not a dict: this loop runs once per line of a file of millions.
+    cm: Any = None
+    write: Any = None
+    uri, first, n, b = "", 0, 0, 0
+    last_line = report.last_request_line
+    max_requests, max_bytes = plan.requests_per_shard, plan.bytes_per_shard
     try:
         with storage.open_read(input_uri) as src:
             for line_no, line in enumerate(src, start=1):
-                if line_no > report.last_request_line:
+                if line_no > last_line:
                     break  # only trailing blank lines remain
                 if line_no == 1 and line.startswith(UTF8_BOM):
                     line = line[len(UTF8_BOM):]
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                if "cm" in state and (
-                    state["n"] >= plan.requests_per_shard
-                    or state["b"] + len(line) > plan.bytes_per_shard
-                ):
-                    close_current()
-                if "cm" not in state:
-                    open_next(line_no)
-                state["fh"].write(line)
-                state["n"] += 1
-                state["b"] += len(line)
-        close_current()
+                size = len(line)
+                if cm is not None and (n >= max_requests or b + size > max_bytes):
+                    closing, cm = cm, None
+                    closing.__exit__(None, None, None)
+                    shards.append(ShardSpec(len(shards), uri, first, n, b))
+                if cm is None:
+                    uri = shard_uri(work_prefix, len(shards))
+                    opening = storage.open_write(uri)
+                    write = opening.__enter__().write
+                    cm, first, n, b = opening, line_no, 0, 0
+                write(line)
+                n += 1
+                b += size
+        if cm is not None:
+            closing, cm = cm, None
+            closing.__exit__(None, None, None)
+            shards.append(ShardSpec(len(shards), uri, first, n, b))
     except BaseException as exc:
-        cm = state.pop("cm", None)
         if cm is not None:
             cm.__exit__(type(exc), exc, exc.__traceback__)
         raise
