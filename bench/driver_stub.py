@@ -81,7 +81,9 @@ class StubProcess:
         self.close()
 
 
-def run_driver(shard: Path, results: Path, port: int, concurrency: int, total: int) -> dict:
+def run_driver(
+    shard: Path, results: Path, port: int, concurrency: int, total: int, loop: str = "asyncio"
+) -> dict:
     """One run_shard over the whole shard from scratch; requests/s and the outcome."""
     from aibrix_operators.driver.config import DriverConfig
     from aibrix_operators.driver.runner import run_shard
@@ -91,7 +93,13 @@ def run_driver(shard: Path, results: Path, port: int, concurrency: int, total: i
     config = DriverConfig(endpoint=f"http://127.0.0.1:{port}", concurrency=concurrency,
                           api_key_env=None, progress_interval_s=3600)
     t0, c0 = time.perf_counter(), time.process_time()
-    outcome = asyncio.run(run_shard(LocalStorage(), str(shard), str(results), config, total=total))
+    coro = run_shard(LocalStorage(), str(shard), str(results), config, total=total)
+    if loop == "uvloop":
+        import uvloop
+
+        outcome = uvloop.run(coro)
+    else:
+        outcome = asyncio.run(coro)  # what the DAG's dispatch task and the driver CLI do
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     lines = sum(p.read_bytes().count(b"\n") for p in results.glob("seg-*.jsonl"))
     if outcome.completed != total or outcome.failed or lines != total:
@@ -110,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="64,128,256", help="comma-separated list")
     p.add_argument("--repeat", type=int, default=1, help="runs per concurrency; the best is reported")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="event loop for the driver (the DAG and the driver CLI use asyncio's)")
     p.add_argument("--no-pin", action="store_true", help="do not pin driver and stub to CPUs")
     p.add_argument("--profile", default=None, help="cProfile the first driver run into this file")
     args = p.parse_args(argv)
@@ -136,18 +146,20 @@ def main(argv: list[str] | None = None) -> int:
 
                     prof = cProfile.Profile()
                     prof.enable()
-                    r = run_driver(shard, args.workdir / "results", stub.port, c, args.requests)
+                    r = run_driver(shard, args.workdir / "results", stub.port, c, args.requests, args.loop)
                     prof.disable()
                     prof.dump_stats(args.profile)
                 else:
-                    r = run_driver(shard, args.workdir / "results", stub.port, c, args.requests)
+                    r = run_driver(shard, args.workdir / "results", stub.port, c, args.requests, args.loop)
                 if best is None or r["rps"] > best["rps"]:
                     best = r
             assert best is not None
             rows.append((f"run_shard, concurrency {c}", best["seconds"], best["rps"], best["cpu_us"]))
     shutil.rmtree(args.workdir / "results", ignore_errors=True)
 
-    pinned = f"driver on CPU {driver_cpu}, stub on CPU {stub_cpu}" if driver_cpu is not None else "unpinned"
+    pinned = f"{args.loop} loop; " + (
+        f"driver on CPU {driver_cpu}, stub on CPU {stub_cpu}" if driver_cpu is not None else "unpinned"
+    )
     print(f"\n{args.requests:,} requests per run; {pinned}; python {sys.version.split()[0]}\n")
     print(f"{'client':<34}{'seconds':>9}{'req/s':>10}{'vs ceiling':>12}{'CPU us/req':>12}{'req/CPU-s':>11}")
     print(f"{'baseline: raw client (ceiling)':<34}{args.requests / ceiling:>9.2f}{ceiling:>10.0f}"
