@@ -1,0 +1,56 @@
+"""Our output lines have the same shape as vLLM's own `run_batch` for the same input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Any
+
+from aibrix_operators.localenv import WORK_DIR
+from tests.integration.conftest import (
+    INFERENCE_PYTHON,
+    SERVED_NAME,
+    chat_requests,
+    dags_test,
+    read_jsonl,
+    write_jsonl,
+)
+
+
+def key_structure(value: Any) -> Any:
+    """Keys at every level of dicts (lists by their first element), values dropped."""
+    if isinstance(value, dict):
+        return {k: key_structure(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [key_structure(value[0])] if value else []
+    return None
+
+
+def test_output_lines_match_vllm_run_batch_structure(vllm_chat, tiny_model, airflow_session_env, tmp_path):
+    requests = chat_requests(4)
+    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
+    reference = tmp_path / "run_batch.jsonl"
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"), "HF_HUB_OFFLINE": "1",
+           "TMPDIR": str(tmp_path)}
+    subprocess.run(
+        [str(INFERENCE_PYTHON), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
+         "-o", str(reference), "--model", str(tiny_model), "--served-model-name", SERVED_NAME,
+         "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory-bytes", str(512 << 20),
+         "--enforce-eager", "--enable-prompt-tokens-details"],
+        env=env, check=True, capture_output=True, timeout=600,
+    )
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
+    }, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+
+    theirs = {r["custom_id"]: r for r in read_jsonl(reference.read_text())}
+    ours = {r["custom_id"]: r for r in read_jsonl((out / "output.jsonl").read_text())}
+    assert set(ours) == set(theirs) == {r["custom_id"] for r in requests}
+    for custom_id, line in ours.items():
+        assert key_structure(line) == key_structure(theirs[custom_id])
+        # Greedy decoding on the same weights: the same tokens, whichever path served them.
+        assert line["response"]["body"]["usage"] == theirs[custom_id]["response"]["body"]["usage"]
+        assert (line["response"]["body"]["choices"][0]["message"]["content"]
+                == theirs[custom_id]["response"]["body"]["choices"][0]["message"]["content"])
