@@ -28,7 +28,9 @@ class KVCacheSettings:
     io_threads: int = 2
     # L1: bounded CPU memory pool.
     l1_capacity_bytes: int = 1 << 30
-    l1_eviction: str = "s3fifo"
+    # "lru" by default: prefix reuse distances are often longer than S3-FIFO's 10%
+    # probation queue; "s3fifo" suits scan-heavy mixes of one-off prompts.
+    l1_eviction: str = "lru"
     # L2: shared between processes; "none", "fs" or "redis".
     l2_backend: str = "none"
     l2_fs_path: str = ""

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that records reach the handlers vLLM configures in its processes.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 def build_namespace(

@@ -37,13 +37,17 @@ class KVCacheStepMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVCacheWorkerReport(KVConnectorWorkerMetadata):
-    """Chunks the worker committed to / dropped from L1 since its last report."""
+    """Chunks the worker committed to / dropped from L1, and failed loads, since its last report."""
 
     stored: set[str] = field(default_factory=set)
     evicted: set[str] = field(default_factory=set)
+    # Requests with a failed load: vLLM recomputes them, so their saves must restart.
+    failed_reqs: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVCacheWorkerReport)
         # With several TP ranks a chunk is only usable when every rank has it; the
         # scheduler index is an optimisation (a wrong guess is a recompute), so union it.
-        return KVCacheWorkerReport(self.stored | other.stored, self.evicted | other.evicted)
+        return KVCacheWorkerReport(
+            self.stored | other.stored, self.evicted | other.evicted, self.failed_reqs | other.failed_reqs
+        )

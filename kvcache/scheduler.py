@@ -17,7 +17,8 @@ from kvcache.keys import KeyNamespace, chunk_hashes, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.tiers import L2Store, TierUnavailable
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that records reach the handlers vLLM configures in its processes.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
@@ -194,6 +195,12 @@ class KVCacheScheduler:
             return
         self.l1_index -= report.evicted
         self.l1_index |= report.stored
+        for req_id in report.failed_reqs:
+            state = self._reqs.get(req_id)
+            if state is not None:
+                # vLLM rewinds the request to its first failed block and recomputes from
+                # there; the chunks it recomputes must be saved (stored ones are skipped).
+                state.saved_upto = 0
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

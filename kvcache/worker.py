@@ -33,7 +33,8 @@ from kvcache.tiers import L1Pool, L2Store, TierUnavailable
 from kvcache.tiers.writer import L2Writer
 from kvcache.transfer import CudaCopier, PagedLayout, make_copier
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that records reach the handlers vLLM configures in its processes.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
@@ -86,7 +87,11 @@ class KVCacheWorker:
         self.layer_index: dict[str, int] = {}
         self.layout: PagedLayout | None = None
         self.copier = None
-        self._report = KVCacheWorkerReport()
+        self._touched: set[str] = set()  # chunk hashes put into / evicted from L1
+        # Requests whose load failed this step: the KV they computed this step attended
+        # to blocks that were not loaded, so none of it may be saved.
+        self._step_failed_reqs: set[str] = set()
+        self._failed_reqs: set[str] = set()
         self._report_lock = threading.Lock()
         self._errors: set[int] = set()
         self._errors_lock = threading.Lock()
@@ -231,6 +236,9 @@ class KVCacheWorker:
         self.finish_load()
         if meta is None or not meta.saves or not self.kv:
             self._save_futures = []
+            with self._report_lock:
+                self._failed_reqs |= self._step_failed_reqs
+            self._step_failed_reqs = set()
             return
         t0 = time.perf_counter()
         if self.settings.pipelined and len(self._save_futures) == len(self.kv):
@@ -240,7 +248,11 @@ class KVCacheWorker:
             ready = self.copier.mark_compute() if self.copier else None
             per_layer = [self._gather_layer(layer, meta.saves, ready) for layer in range(len(self.kv))]
         self._save_futures = []
-        self._commit(meta.saves, per_layer)
+        failed, self._step_failed_reqs = self._step_failed_reqs, set()
+        keep = [i for i, item in enumerate(meta.saves) if item.req_id not in failed]
+        with self._report_lock:
+            self._failed_reqs |= failed
+        self._commit([meta.saves[i] for i in keep], [[layer[i] for i in keep] for layer in per_layer])
         waited = time.perf_counter() - t0
         metrics.SAVE_SECONDS.observe(waited)
         self.stats.add("save_wait_s", waited)
@@ -287,26 +299,27 @@ class KVCacheWorker:
         metrics.TIER_BYTES.labels("l1").set(self.l1.bytes_used)
         self.stats.add("tokens_saved", tokens)
         with self._report_lock:
-            self._report.stored |= stored
-            self._report.stored -= evicted
-            self._report.evicted |= evicted
-            self._report.evicted -= stored
+            self._touched |= stored | evicted
 
     def promote(self, chunk_hash: str, chunk: StoredChunk) -> None:
         """Keep a chunk loaded from L2 in L1, so the next hit is a memory copy."""
-        for gone in self.l1.put(self.chunk_key(chunk_hash), chunk, chunk.nbytes):
-            with self._report_lock:
-                self._report.evicted.add(gone.rsplit(":", 1)[1])
-                self._report.stored.discard(gone.rsplit(":", 1)[1])
-        if self.chunk_key(chunk_hash) in self.l1:
-            with self._report_lock:
-                self._report.stored.add(chunk_hash)
-                self._report.evicted.discard(chunk_hash)
+        gone = self.l1.put(self.chunk_key(chunk_hash), chunk, chunk.nbytes)
+        metrics.EVICTIONS.labels("l1").inc(len(gone))
+        with self._report_lock:
+            self._touched.add(chunk_hash)
+            self._touched.update(g.rsplit(":", 1)[1] for g in gone)
 
     def take_report(self) -> KVCacheWorkerReport | None:
+        """Where each chunk touched since the last report is now (L1 is the truth)."""
         with self._report_lock:
-            report, self._report = self._report, KVCacheWorkerReport()
-        return report if (report.stored or report.evicted) else None
+            touched, self._touched = self._touched, set()
+            failed, self._failed_reqs = self._failed_reqs, set()
+        if not touched and not failed:
+            return None
+        report = KVCacheWorkerReport(failed_reqs=failed)
+        for h in touched:
+            (report.stored if self.chunk_key(h) in self.l1 else report.evicted).add(h)
+        return report
 
     def take_stats(self) -> metrics.KVCacheStats | None:
         if self.stats.is_empty():
@@ -389,10 +402,14 @@ class _StepLoad:
                 self.worker.copier.wait_host(fut.result())  # type: ignore[union-attr]
         w = self.worker
         bad: set[int] = set()
+        failed_reqs: set[str] = set()
         loaded_tokens = 0
         for idx, item in enumerate(self.items):
             if self.failed[idx]:
                 bad.update(b for _, b in item.blocks)
+                failed_reqs.add(item.req_id)
+                with w._report_lock:
+                    w._touched.add(item.chunk_hash)  # corrects the scheduler's view of L1
                 reason = self.reasons[idx]
                 metrics.MISSES.labels(reason).inc()
                 w.stats.add(f"miss_{reason}", 1)
@@ -416,6 +433,7 @@ class _StepLoad:
         if bad:
             with w._errors_lock:
                 w._errors |= bad
+        w._step_failed_reqs = failed_reqs
         block_tokens = w.block_size
         metrics.TOKENS_LOADED.inc(loaded_tokens * block_tokens)
         w.stats.add("tokens_loaded", loaded_tokens * block_tokens)

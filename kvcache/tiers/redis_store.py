@@ -15,7 +15,8 @@ import redis
 
 from kvcache.tiers.base import TierUnavailable
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that records reach the handlers vLLM configures in its processes.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class RedisStore:

@@ -16,7 +16,8 @@ import torch
 from kvcache import codec, metrics
 from kvcache.tiers.base import L2Store, TierUnavailable
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that records reach the handlers vLLM configures in its processes.
+log = logging.getLogger(f"vllm.{__name__}")
 
 _STOP = object()
 

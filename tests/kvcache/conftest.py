@@ -1,56 +1,16 @@
-"""Fixtures for the kvcache tests: a real redis-server, and helpers for vLLM servers."""
+"""Fixtures for the kvcache tests: a real redis-server and the tiny model."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
-
-from kvcache.launch import free_port
+from kvcache_testlib import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / ".work" / "models" / "tiny-llama"
-
-
-class RedisServer:
-    """redis-server on 127.0.0.1 that a test can stop and start again on the same port."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server not installed: apt-get install -y redis-server")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not come up")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
 
 
 @pytest.fixture

@@ -126,3 +126,21 @@ def test_l1_bounded_and_evictions_reported() -> None:
             evicted |= rep.evicted
     assert len(w.l1) == 3 and len(evicted) == BLOCKS - 3
     w.shutdown()
+
+
+def test_failed_load_drops_that_requests_saves() -> None:
+    """KV computed over a failed load is wrong; it must never be stored under a valid key."""
+    w, kv = _worker({})
+    _fill(kv, [1, 2, 3])
+    meta = KVCacheStepMetadata(
+        loads=[ChunkTransfer("missing", [(0, 4)], "reqA")],
+        saves=[ChunkTransfer("a1", [(0, 1)], "reqA"), ChunkTransfer("b1", [(0, 2)], "reqB")],
+        chunk_tokens=BS,
+    )
+    assert _step(w, meta) == {4}
+    report = w.take_report()
+    assert report is not None
+    assert report.failed_reqs == {"reqA"}
+    assert report.stored == {"b1"} and "missing" in report.evicted
+    assert w.chunk_key("a1") not in w.l1
+    w.shutdown()

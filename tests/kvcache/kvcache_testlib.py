@@ -1,0 +1,76 @@
+"""Helpers shared by the kvcache tests (imported by conftest and test modules)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import redis
+
+from kvcache.launch import free_port
+
+
+class RedisServer:
+    """redis-server on 127.0.0.1 that a test can stop and start again on the same port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not installed: apt-get install -y redis-server")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not come up")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The connector's prometheus metrics as {name{labels}: value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """Token ids from a seeded generator (prompts as token lists: exact lengths)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 2000) for _ in range(n)]
+
+
+def greedy(resp: dict) -> tuple[str, list[float]]:
+    choice = resp["choices"][0]
+    return choice["text"], list(choice["logprobs"]["token_logprobs"])
