@@ -43,6 +43,9 @@ class KVCacheSettings:
     l2_write_queue_max: int = 4096
     # Verify each loaded block's checksum (crc32) and key before using it.
     verify_checksum: bool = True
+    # Checksum L1 entries too (on save, verified on load). L2 records always carry one.
+    # On a GPU this costs a host pass over every saved byte; turn off there if needed.
+    l1_checksum: bool = True
     # Expose the prometheus metrics on this port from the worker process (0 = off).
     metrics_port: int = 0
     # Test-only fault injection: while this file exists and says "zeros", loaded

@@ -42,7 +42,7 @@ class StoredChunk:
     """One chunk in L1: a host tensor per layer plus each tensor's crc32."""
 
     layers: list[torch.Tensor]
-    crcs: list[int]
+    crcs: list[int | None]  # None: not checksummed in L1 (l1_checksum off)
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +177,7 @@ class KVCacheWorker:
             src, crc = chunk.layers[layer], chunk.crcs[layer]
             if self._corrupt():
                 src = torch.zeros_like(src)
-            if self.settings.verify_checksum and codec.checksum(src) != crc:
+            if crc is not None and self.settings.verify_checksum and codec.checksum(src) != crc:
                 raise _LoadFailed("integrity")
             return src
         if self.l2 is None:
@@ -267,7 +267,7 @@ class KVCacheWorker:
                 out.append((host, done))
             else:
                 host = self.copier.gather(self.kv[layer], self.layout, ids)
-                out.append((host, codec.checksum(host)))
+                out.append((host, codec.checksum(host) if self.settings.l1_checksum else None))
         return out
 
     def _commit(self, saves: list[ChunkTransfer], per_layer: list[list[tuple]]) -> None:
@@ -276,12 +276,14 @@ class KVCacheWorker:
         tokens = 0
         for idx, item in enumerate(saves):
             layers: list[torch.Tensor] = []
-            crcs: list[int] = []
+            crcs: list[int | None] = []
             for layer_out in per_layer:
                 host, crc_or_event = layer_out[idx]
                 if not isinstance(crc_or_event, int):
                     self.copier.wait_host(crc_or_event)  # type: ignore[union-attr]
-                    crc_or_event = codec.checksum(host)
+                    # On a GPU a host crc of every saved byte would sit on the barrier;
+                    # with l1_checksum off the L2 writer computes it in the background.
+                    crc_or_event = codec.checksum(host) if self.settings.l1_checksum else None
                 layers.append(host)
                 crcs.append(crc_or_event)
             chunk = StoredChunk(layers, crcs)

@@ -32,8 +32,8 @@ class L2Writer:
         self.failed = 0
         self.dropped = 0
 
-    def submit(self, key: str, tensor: torch.Tensor, crc: int) -> bool:
-        """Queue one record; False (and counted) when the queue is full."""
+    def submit(self, key: str, tensor: torch.Tensor, crc: int | None) -> bool:
+        """Queue one record (crc None: computed here); False (and counted) when the queue is full."""
         try:
             self._queue.put_nowait((key, tensor, crc))
             return True
