@@ -56,6 +56,10 @@ PARAMS = {
                          description="Requests in flight per shard."),
     "max_attempts": Param(5, type="integer", minimum=1, maximum=20,
                           description="Attempts per request on 429/5xx/timeouts."),
+    "endpoint_wait_s": Param(
+        300, type="number", minimum=0,
+        description="How long a shard waits for a starting or restarting endpoint before failing.",
+    ),
     "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
     "completion_window": Param(
         "24h", type="string", pattern="^[0-9]+[hms]$",
@@ -113,6 +117,7 @@ with DAG(
         concurrency="{{ params.concurrency }}",
         max_attempts="{{ params.max_attempts }}",
         request_timeout_s="{{ params.request_timeout_s }}",
+        endpoint_wait_s="{{ params.endpoint_wait_s }}",
         execution_mode="{{ params.execution_mode }}",
         aws_conn_id="{{ params.aws_conn_id }}",
         retries=2,

@@ -1,38 +1,65 @@
 """Check the endpoint before sending a shard, so a dead server or a wrong model is
-one clear error instead of thousands of per-request failures."""
+one clear error instead of thousands of per-request failures.
+
+A server that is still starting (connection refused, 5xx) is waited for up to
+``wait_s``: a batch can be submitted while its serving group comes up.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
 
 import aiohttp
 
 from aibrix_operators.driver.config import DriverConfig
 
+log = logging.getLogger(__name__)
+
 
 class EndpointUnavailable(Exception):
-    """The server cannot be reached (retry later) — nothing was sent."""
+    """The server could not be reached in time — nothing was sent; a task retry may help."""
 
 
 class ModelNotServed(Exception):
     """The server is up but does not serve the batch's model (retrying will not help)."""
 
 
-async def check_endpoint(config: DriverConfig, model: str | None) -> None:
+async def _list_models(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    """The /v1/models listing; ``None`` when the server does not offer one."""
+    async with session.get(url) as resp:
+        if resp.status >= 500 or resp.status in (408, 429):
+            raise EndpointUnavailable(f"{url} answered HTTP {resp.status}; the server is not ready")
+        if resp.status != 200:
+            return None  # not every OpenAI-compatible server lists models; don't block on it
+        return await resp.json(content_type=None)
+
+
+async def check_endpoint(config: DriverConfig, model: str | None, wait_s: float = 0.0) -> None:
     url = config.base_url + "/v1/models"
     timeout = aiohttp.ClientTimeout(total=max(config.connect_timeout_s, 5.0) * 3)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout, headers=config.headers()) as session:
-            async with session.get(url) as resp:
-                if resp.status >= 500 or resp.status in (408, 429):
-                    raise EndpointUnavailable(f"{url} answered HTTP {resp.status}; the server is not ready")
-                if resp.status != 200:
-                    # Not every OpenAI-compatible server lists models; don't block on it.
-                    return
-                listing = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise EndpointUnavailable(
-            f"cannot reach the inference endpoint {config.base_url} ({type(exc).__name__}: {exc}); "
-            "check that the server is running and the endpoint parameter is right"
-        ) from exc
+    deadline = time.monotonic() + wait_s
+    next_note = time.monotonic()
+    async with aiohttp.ClientSession(timeout=timeout, headers=config.headers()) as session:
+        while True:
+            try:
+                listing = await _list_models(session, url)
+                break
+            except (aiohttp.ClientError, TimeoutError, EndpointUnavailable) as exc:
+                if time.monotonic() >= deadline:
+                    raise EndpointUnavailable(
+                        f"cannot reach the inference endpoint {config.base_url} "
+                        f"({type(exc).__name__}: {exc}) after waiting {wait_s:.0f}s; check that the "
+                        "server is running and the endpoint parameter is right"
+                    ) from exc
+                if time.monotonic() >= next_note:
+                    log.info("waiting for %s to come up (%s)", config.base_url, type(exc).__name__)
+                    next_note = time.monotonic() + 10
+                await asyncio.sleep(1.0)
+    if listing is None:
+        return
     served = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
     if model and served and model not in served:
         raise ModelNotServed(

@@ -36,25 +36,28 @@ class ShardExecutor(Protocol):
 class LocalShardExecutor:
     """Runs the driver in this process (the Airflow worker)."""
 
+    def __init__(self, endpoint_wait_s: float = 0.0) -> None:
+        self.endpoint_wait_s = endpoint_wait_s
+
     def run(
         self, storage: Storage, shard: ShardSpec, work: str, config: DriverConfig, model: str | None
     ) -> dict[str, Any]:
-        started = int(time.time())
-
         async def preflight_then_run() -> dict[str, Any]:
-            await check_endpoint(config, model)
-            return (await run_shard_of_batch(storage, shard, work, config)).as_dict()
+            await check_endpoint(config, model, self.endpoint_wait_s)
+            # The batch is in progress from its first request, not from the wait for a server.
+            started = int(time.time())
+            outcome = await run_shard_of_batch(storage, shard, work, config)
+            return {**outcome.as_dict(), "started_at": started}
 
         try:
-            outcome = asyncio.run(preflight_then_run())
+            return asyncio.run(preflight_then_run())
         except ModelNotServed as exc:
             raise AirflowFailException(str(exc)) from exc
-        return {**outcome, "started_at": started}
 
 
-def executor_for(mode: str) -> ShardExecutor:
+def executor_for(mode: str, endpoint_wait_s: float = 0.0) -> ShardExecutor:
     if mode == "local":
-        return LocalShardExecutor()
+        return LocalShardExecutor(endpoint_wait_s)
     if mode == "kubernetes":
         raise AirflowFailException(
             "execution_mode 'kubernetes' is not available in this release; use 'local' "
@@ -68,7 +71,7 @@ class DispatchShardOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
-        "execution_mode", "aws_conn_id",
+        "execution_mode", "aws_conn_id", "endpoint_wait_s",
     )
 
     def __init__(
@@ -81,6 +84,7 @@ class DispatchShardOperator(BaseOperator):
         max_attempts: int = 5,
         request_timeout_s: float = 600.0,
         execution_mode: str = "local",
+        endpoint_wait_s: float = 300.0,
         api_key_env: str | None = "OPENAI_API_KEY",
         aws_conn_id: str | None = None,
         **kwargs: Any,
@@ -93,6 +97,7 @@ class DispatchShardOperator(BaseOperator):
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
         self.execution_mode = execution_mode
+        self.endpoint_wait_s = endpoint_wait_s
         self.api_key_env = api_key_env
         self.aws_conn_id = aws_conn_id
 
@@ -109,4 +114,5 @@ class DispatchShardOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from exc
         storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
-        return executor_for(self.execution_mode).run(storage, shard, work, config, batch.model)
+        executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
+        return executor.run(storage, shard, work, config, batch.model)

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +129,21 @@ class VLLMServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def start_in_background(self, timeout_s: float = 240.0) -> threading.Thread:
+        """Start without blocking (e.g. while a DAG validates and splits); ``join`` the thread,
+        then check ``startup_error``."""
+        self.startup_error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self.start(timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self.startup_error = exc
+
+        thread = threading.Thread(target=target, name=f"vllm-start-{self.spec.port}", daemon=True)
+        thread.start()
+        return thread
 
     def __enter__(self) -> VLLMServer:
         return self.start()
