@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         redis_proc.terminate()
         redis_proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp / "example", ignore_errors=True)
     print(f"\n{args.prompts} prompts x {args.tokens} tokens, model {args.model}, bind {args.bind}")
     cold = results.get("cold", {}).get("first_s")
     for name, r in results.items():
