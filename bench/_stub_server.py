@@ -17,19 +17,24 @@ import os
 import sys
 import time
 
-BODY = json.dumps({
-    "id": "chatcmpl-stub",
-    "object": "chat.completion",
-    "created": 1700000000,
-    "model": "tiny-llama",
-    "choices": [{
-        "index": 0,
-        "message": {"role": "assistant", "content": "This is a stub answer of a few tokens."},
-        "logprobs": None,
-        "finish_reason": "stop",
-    }],
-    "usage": {"prompt_tokens": 120, "completion_tokens": 10, "total_tokens": 130},
-}, separators=(",", ":")).encode()
+BODY = json.dumps(
+    {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "tiny-llama",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "This is a stub answer of a few tokens."},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 120, "completion_tokens": 10, "total_tokens": 130},
+    },
+    separators=(",", ":"),
+).encode()
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
     + str(len(BODY)).encode()
@@ -58,7 +63,7 @@ class StubProtocol(asyncio.Protocol):
             i = head.lower().find(b"\r\ncontent-length:")
             if i >= 0:
                 j = head.find(b"\r\n", i + 2)
-                length = int(head[i + 17: j if j >= 0 else len(head)])
+                length = int(head[i + 17 : j if j >= 0 else len(head)])
             total = end + 4 + length
             if len(buf) < total:
                 break
@@ -103,8 +108,10 @@ async def _ceiling(port: int, requests: int, connections: int) -> float:
     payload = b'{"model":"tiny-llama","messages":[{"role":"user","content":"hi"}]}'
     req = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nContent-Length: " + str(len(payload)).encode()
-        + b"\r\n\r\n" + payload
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload
     )
     resp_len = len(RESPONSE)
     left = [requests]
@@ -134,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--cpu", type=int, default=None, help="pin the server to this CPU")
-    p.add_argument("--ceiling", type=int, default=None, metavar="PORT",
-                   help="instead of serving, measure a stub on PORT with a trivial client")
+    p.add_argument(
+        "--ceiling",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="instead of serving, measure a stub on PORT with a trivial client",
+    )
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--connections", type=int, default=64)
     args = p.parse_args(argv)

@@ -43,11 +43,22 @@ def write_shard(path: Path, requests: int, seed: int = 0) -> Path:
     with open(path, "w") as fh:
         for i in range(requests):
             text = " ".join(rng.choice(words) for _ in range(80))
-            fh.write(json.dumps({
-                "custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "tiny-llama", "max_tokens": 32,
-                         "messages": [{"role": "user", "content": text}]},
-            }, separators=(",", ":")) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "custom_id": f"request-{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": "tiny-llama",
+                            "max_tokens": 32,
+                            "messages": [{"role": "user", "content": text}],
+                        },
+                    },
+                    separators=(",", ":"),
+                )
+                + "\n"
+            )
     return path
 
 
@@ -90,8 +101,12 @@ def run_driver(
     from aibrix_operators.storage import LocalStorage
 
     shutil.rmtree(results, ignore_errors=True)
-    config = DriverConfig(endpoint=f"http://127.0.0.1:{port}", concurrency=concurrency,
-                          api_key_env=None, progress_interval_s=3600)
+    config = DriverConfig(
+        endpoint=f"http://127.0.0.1:{port}",
+        concurrency=concurrency,
+        api_key_env=None,
+        progress_interval_s=3600,
+    )
     t0, c0 = time.perf_counter(), time.process_time()
     coro = run_shard(LocalStorage(), str(shard), str(results), config, total=total)
     if loop == "uvloop":
@@ -118,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="64,128,256", help="comma-separated list")
     p.add_argument("--repeat", type=int, default=1, help="runs per concurrency; the best is reported")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="event loop for the driver (the DAG and the driver CLI use asyncio's)")
+    p.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop for the driver (the DAG and the driver CLI use asyncio's)",
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin driver and stub to CPUs")
     p.add_argument("--profile", default=None, help="cProfile the first driver run into this file")
     args = p.parse_args(argv)
@@ -162,18 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\n{args.requests:,} requests per run; {pinned}; python {sys.version.split()[0]}\n")
     print(f"{'client':<34}{'seconds':>9}{'req/s':>10}{'vs ceiling':>12}{'CPU us/req':>12}{'req/CPU-s':>11}")
-    print(f"{'baseline: raw client (ceiling)':<34}{args.requests / ceiling:>9.2f}{ceiling:>10.0f}"
-          f"{1:>11.2f}x{ceiling_cpu_us:>12.0f}{1e6 / ceiling_cpu_us:>11.0f}")
+    print(
+        f"{'baseline: raw client (ceiling)':<34}{args.requests / ceiling:>9.2f}{ceiling:>10.0f}"
+        f"{1:>11.2f}x{ceiling_cpu_us:>12.0f}{1e6 / ceiling_cpu_us:>11.0f}"
+    )
     for label, secs, rps, cpu_us in rows:
-        print(f"{label:<34}{secs:>9.2f}{rps:>10.0f}{rps / ceiling:>11.2f}x"
-              f"{cpu_us:>12.0f}{1e6 / cpu_us:>11.0f}")
+        print(
+            f"{label:<34}{secs:>9.2f}{rps:>10.0f}{rps / ceiling:>11.2f}x{cpu_us:>12.0f}{1e6 / cpu_us:>11.0f}"
+        )
     best_rps = max(r[2] for r in rows)
     ok = best_rps >= TARGET_RPS
     worst = min(r[2] for r in rows)
     best_cpu = 1e6 / min(r[3] for r in rows)
-    print(f"\ntarget >= {TARGET_RPS:.0f} req/s on one core: best {best_rps:.0f}, worst {worst:.0f} "
-          f"-> {'PASS' if ok else 'MISS'} (per CPU-second of the driver: best {best_cpu:.0f}; "
-          "the core is shared with other work when wall req/s is below this)")
+    print(
+        f"\ntarget >= {TARGET_RPS:.0f} req/s on one core: best {best_rps:.0f}, worst {worst:.0f} "
+        f"-> {'PASS' if ok else 'MISS'} (per CPU-second of the driver: best {best_cpu:.0f}; "
+        "the core is shared with other work when wall req/s is below this)"
+    )
     return 0 if ok else 1
 
 

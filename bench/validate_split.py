@@ -50,11 +50,13 @@ _WORDS = (
 def _line_template(rng: random.Random, approx_bytes: int) -> tuple[bytes, bytes]:
     """(prefix, suffix) of one chat request, 0.5x-1.5x ``approx_bytes``; the id goes between."""
     target = int(approx_bytes * rng.uniform(0.5, 1.5))
-    sys_prompt = rng.choice((
-        "You are a concise assistant.",
-        "You are a helpful assistant that answers in plain English.",
-        "You summarise technical documents for engineers.",
-    ))
+    sys_prompt = rng.choice(
+        (
+            "You are a concise assistant.",
+            "You are a helpful assistant that answers in plain English.",
+            "You summarise technical documents for engineers.",
+        )
+    )
     body = {
         "model": MODEL,
         "max_tokens": rng.choice((16, 32, 64, 128, 256)),
@@ -132,9 +134,7 @@ def run_validate_split(input_path: str, out_dir: str, shard_requests: int) -> di
     if batch is None:
         raise SystemExit(f"generated file failed validation:\n{report.summary()}")
     work = work_prefix(out_dir, "manual__bench")
-    shards = split_batch(
-        storage, batch, work, shard_requests, DEFAULT_SHARD_BYTES, AIRFLOW_MAX_MAP_LENGTH
-    )
+    shards = split_batch(storage, batch, work, shard_requests, DEFAULT_SHARD_BYTES, AIRFLOW_MAX_MAP_LENGTH)
     t2, c2 = time.perf_counter(), time.process_time()
     return {
         "validate_s": t1 - t0,
@@ -208,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lines", type=int, default=50_000, help="lines in the measured file (default 50k)")
-    p.add_argument("--rss-lines", type=int, default=None,
-                   help="a second, smaller file for the flat-RSS check (default lines/4)")
+    p.add_argument(
+        "--rss-lines",
+        type=int,
+        default=None,
+        help="a second, smaller file for the flat-RSS check (default lines/4)",
+    )
     p.add_argument("--full", action="store_true", help="1,000,000 lines (~1 GB), RSS also at 250,000")
     p.add_argument("--line-bytes", type=int, default=1000, help="approximate bytes per line")
     p.add_argument("--shard-requests", type=int, default=5000, help="requests per shard (DAG default)")
@@ -232,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     both_s = res["validate_s"] + res["split_s"]
     both_mb_s = _mb(size) / both_s
 
-    print(f"\nfile: {big.name}  {args.lines:,} lines, {_mb(size):,.1f} MB; "
-          f"{res['shards']} shards of {args.shard_requests} requests")
+    print(
+        f"\nfile: {big.name}  {args.lines:,} lines, {_mb(size):,.1f} MB; "
+        f"{res['shards']} shards of {args.shard_requests} requests"
+    )
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}\n")
     rows = []
     if wc is not None:
@@ -246,25 +252,35 @@ def main(argv: list[str] | None = None) -> int:
     ]
     ref = (wc or py)[0]
     mb = _mb(size)
-    print(f"{'step':<28}{'seconds':>9}{'MB/s':>9}{'vs wc -l' if wc else 'vs py loop':>11}"
-          f"{'CPU s':>8}{'MB/CPU-s':>10}")
+    print(
+        f"{'step':<28}{'seconds':>9}{'MB/s':>9}{'vs wc -l' if wc else 'vs py loop':>11}"
+        f"{'CPU s':>8}{'MB/CPU-s':>10}"
+    )
     for label, secs, cpu in rows:
-        print(f"{label:<28}{secs:>9.2f}{mb / secs:>9.1f}{ref / secs:>10.3f}x"
-              f"{cpu:>8.2f}{mb / max(cpu, 1e-3):>10.1f}")
+        print(
+            f"{label:<28}{secs:>9.2f}{mb / secs:>9.1f}{ref / secs:>10.3f}x"
+            f"{cpu:>8.2f}{mb / max(cpu, 1e-3):>10.1f}"
+        )
     ok_speed = both_mb_s >= TARGET_MB_S
-    print(f"\ntarget validate+split >= {TARGET_MB_S:.0f} MB/s: {both_mb_s:.1f} MB/s "
-          f"-> {'PASS' if ok_speed else 'MISS'}")
+    print(
+        f"\ntarget validate+split >= {TARGET_MB_S:.0f} MB/s: {both_mb_s:.1f} MB/s "
+        f"-> {'PASS' if ok_speed else 'MISS'}"
+    )
 
     print(f"\n{'peak RSS (child VmHWM)':<28}{'lines':>11}{'MB file':>10}{'peak MB':>10}{'imports MB':>12}")
     for r, n in ((res_small, rss_lines), (res, args.lines)):
-        print(f"{'validate + split':<28}{n:>11,}{_mb(r['bytes']):>10.1f}"
-              f"{r['peak_rss_kib'] / 1024:>10.1f}{r['rss_after_import_kib'] / 1024:>12.1f}")
+        print(
+            f"{'validate + split':<28}{n:>11,}{_mb(r['bytes']):>10.1f}"
+            f"{r['peak_rss_kib'] / 1024:>10.1f}{r['rss_after_import_kib'] / 1024:>12.1f}"
+        )
     peak = max(res["peak_rss_kib"], res_small["peak_rss_kib"]) / 1024
     growth = (res["peak_rss_kib"] - res_small["peak_rss_kib"]) / 1024
-    print(f"\ntarget peak RSS < {TARGET_RSS_MB:.0f} MB: {peak:.1f} MB -> "
-          f"{'PASS' if peak < TARGET_RSS_MB else 'MISS'}; growth from {rss_lines:,} to "
-          f"{args.lines:,} lines: {growth:+.1f} MB "
-          f"({growth * 1e6 / max(1, args.lines - rss_lines) * 1.048576:.1f} bytes/request)")
+    print(
+        f"\ntarget peak RSS < {TARGET_RSS_MB:.0f} MB: {peak:.1f} MB -> "
+        f"{'PASS' if peak < TARGET_RSS_MB else 'MISS'}; growth from {rss_lines:,} to "
+        f"{args.lines:,} lines: {growth:+.1f} MB "
+        f"({growth * 1e6 / max(1, args.lines - rss_lines) * 1.048576:.1f} bytes/request)"
+    )
     return 0 if ok_speed and peak < TARGET_RSS_MB else 1
 
 
