@@ -1,6 +1,7 @@
 """batch_inference: an OpenAI Batch JSONL file in, OpenAI batch output out.
 
-validate → split → dispatch (one mapped task per shard) → merge.
+validate → split → dispatch (one mapped task per shard) → merge;
+record_failure publishes a failed batch.json if a step after validation fails.
 Wiring and parameters only; the logic lives in ``aibrix_operators``.
 """
 
@@ -20,6 +21,7 @@ from aibrix_operators.batch.records import (
 from aibrix_operators.operators import (
     DispatchShardOperator,
     MergeBatchOperator,
+    RecordBatchFailureOperator,
     SplitBatchOperator,
     ValidateBatchOperator,
 )
@@ -130,3 +132,9 @@ with DAG(
         outcomes=dispatch.output,
         aws_conn_id="{{ params.aws_conn_id }}",
     )
+    record_failure = RecordBatchFailureOperator(
+        task_id="record_failure",
+        aws_conn_id="{{ params.aws_conn_id }}",
+        trigger_rule="one_failed",
+    )
+    [validate, split, dispatch, merge] >> record_failure

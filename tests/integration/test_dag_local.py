@@ -92,3 +92,18 @@ def test_wrong_endpoint_parameter_is_a_clear_error(airflow_session_env, tmp_path
     batch = json.loads((out / "batch.json").read_text())
     assert {e["code"] for e in batch["errors"]["data"]} == {"mismatched_endpoint"}
     assert Path(out / "output.jsonl").exists() is False
+
+
+def test_failure_after_validation_is_recorded_in_batch_json(vllm_chat, airflow_session_env, tmp_path):
+    input_path = write_jsonl(tmp_path / "input.jsonl", chat_requests(4, model="not-served"))
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
+    }, tmp_path)
+    assert proc.returncode != 0
+    assert "'not-served' is not served at" in proc.stdout + proc.stderr
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["status"] == "failed"
+    assert [e["code"] for e in batch["errors"]["data"]] == ["batch_run_failed"]
+    assert batch["request_counts"]["total"] == 4
+    assert not (out / "output.jsonl").exists()

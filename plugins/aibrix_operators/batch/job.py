@@ -156,6 +156,27 @@ def finalize_batch(
     return summary, obj
 
 
+def record_batch_failure(
+    storage: Storage, batch: ValidatedBatch, code: str, message: str
+) -> BatchObject:
+    """Publish a failed ``batch.json`` when the run died after validation.
+
+    Checkpointed results stay under the run's work prefix: clearing the failed
+    tasks in Airflow resumes the run where it stopped.
+    """
+    obj = BatchObject(
+        id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
+        completion_window=batch.completion_window, status="failed",
+        errors={"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                            "line": None}], "total": 1},
+        created_at=batch.created_at, expires_at=batch.expires_at, failed_at=int(time.time()),
+        metadata=batch.metadata or None,
+    )
+    obj.request_counts["total"] = batch.total_requests
+    write_batch_object(storage, batch.output_uri, obj)
+    return obj
+
+
 def write_batch_object(storage: Storage, output_uri: str, batch: BatchObject) -> str:
     uri = join_uri(output_uri, BATCH_FILE)
     storage.write_bytes(uri, json.dumps(batch.as_dict(), indent=2).encode() + b"\n")

@@ -1,5 +1,6 @@
 from aibrix_operators.operators.batch import (
     MergeBatchOperator,
+    RecordBatchFailureOperator,
     SplitBatchOperator,
     ValidateBatchOperator,
 )
@@ -8,6 +9,7 @@ from aibrix_operators.operators.dispatch import DispatchShardOperator
 __all__ = [
     "DispatchShardOperator",
     "MergeBatchOperator",
+    "RecordBatchFailureOperator",
     "SplitBatchOperator",
     "ValidateBatchOperator",
 ]

@@ -13,6 +13,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from aibrix_operators.batch.job import (
     ValidatedBatch,
     finalize_batch,
+    record_batch_failure,
     split_batch,
     validate_batch,
     work_prefix,
@@ -176,3 +177,35 @@ class MergeBatchOperator(BaseOperator):
         result = obj.as_dict()
         result["summary"] = summary.as_dict()
         return result
+
+
+class RecordBatchFailureOperator(BaseOperator):
+    """Runs when a step failed: publishes a failed ``batch.json`` and fails the run.
+
+    Use with ``trigger_rule="one_failed"`` downstream of every step. It fails
+    itself on purpose, so the DAG run ends failed while the batch record says why.
+    A validation failure has already written its own line-numbered report.
+    """
+
+    template_fields: Sequence[str] = ("aws_conn_id",)
+
+    def __init__(
+        self, *, validate_task_id: str = "validate", aws_conn_id: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.validate_task_id = validate_task_id
+        self.aws_conn_id = aws_conn_id
+
+    def execute(self, context: Context) -> None:
+        validated = context["ti"].xcom_pull(task_ids=self.validate_task_id)
+        if not validated:
+            raise AirflowFailException("the batch failed validation; its report is in batch.json")
+        batch = ValidatedBatch.from_dict(validated)
+        storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.output_uri)
+        message = (
+            f"run {context['run_id']} failed after validation; see the failed tasks' logs. "
+            "Clearing them resumes from the checkpoints under "
+            f"{work_prefix(batch.output_uri, context['run_id'])}"
+        )
+        record_batch_failure(storage, batch, "batch_run_failed", message)
+        raise AirflowFailException(message)
