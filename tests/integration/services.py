@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aibrix_operators.serving.local_vllm import free_port
+from aibrix_operators.serving.local_vllm import stop_process_group as stop_group
 
 BIN = Path(sys.executable).parent
 
@@ -36,19 +36,6 @@ def wait_until(check, timeout_s: float, what: str, proc: subprocess.Popen | None
             pass
         time.sleep(0.3)
     raise TimeoutError(f"{what} not ready after {timeout_s}s")
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 @dataclass

@@ -58,6 +58,21 @@ class VLLMServerSpec:
         return cmd + list(self.extra_args)
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` and all its children;
+    SIGKILL what is left after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 class VLLMServer:
     """A running server; use as a context manager so it is always stopped."""
 
@@ -116,16 +131,8 @@ class VLLMServer:
             return False
 
     def stop(self, grace_s: float = 20.0) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                pass
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s)
         if self._log is not None:
             self._log.close()
             self._log = None
