@@ -57,7 +57,11 @@ def test_producer_hands_kv_to_consumer(pd_pair) -> None:
         assert client.dbsize() == keys_before + chunks * LAYERS
         decoded = consumer.complete(prompt, max_tokens=16)
         assert cached_tokens(decoded) == (n - 1) // BLOCK * BLOCK
-        assert greedy(decoded) == greedy(prefill)
+        text_d, lp_d = greedy(decoded)
+        text_p, lp_p = greedy(prefill)
+        assert text_d == text_p  # the same greedy tokens
+        # Two processes with different thread pinning: float32 sums may round differently.
+        assert max(abs(a - b) for a, b in zip(lp_d, lp_p, strict=True)) < 1e-5
     m = scrape(port)
     assert m["kvcache_hit_chunks_total{tier=l2}"] >= (1500 - 1) // BLOCK + (700 - 1) // BLOCK
     # A consumer does not save: nothing new appears in Redis from its side.
