@@ -12,6 +12,7 @@ from typing import Any
 _MODES = ("pipelined", "sync")
 _EVICTION = ("s3fifo", "lru")
 _L2_BACKENDS = ("none", "fs", "redis")
+_L1_CHECKSUMS = ("sampled", "full", "off")
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,11 @@ class KVCacheSettings:
     l2_write_queue_max: int = 4096
     # Verify each loaded block's checksum (crc32) and key before using it.
     verify_checksum: bool = True
-    # Checksum L1 entries too (on save, verified on load). L2 records always carry one.
-    # On a GPU this costs a host pass over every saved byte; turn off there if needed.
-    l1_checksum: bool = True
+    # Integrity of L1 entries (memory of this process; every entry also carries its key):
+    # "sampled" = crc32 of one word per 4 KiB (catches reused/overwritten/zeroed slots at
+    # ~no cost), "full" = crc32 of every byte (a second pass over the bytes on every save
+    # and load), "off". true/false mean "full"/"off". L2 records always carry a full crc32.
+    l1_checksum: str = "sampled"
     # Expose the prometheus metrics on this port from the worker process (0 = off).
     metrics_port: int = 0
     # Test-only fault injection: while this file exists and says "zeros", loaded
@@ -65,6 +68,8 @@ class KVCacheSettings:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = known[name].default
+            if name == "l1_checksum" and isinstance(value, bool):
+                value = "full" if value else "off"
             if isinstance(default, bool):
                 values[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true")
             else:
@@ -78,6 +83,8 @@ class KVCacheSettings:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.l1_eviction not in _EVICTION:
             raise ValueError(f"l1_eviction must be one of {_EVICTION}, got {self.l1_eviction!r}")
+        if self.l1_checksum not in _L1_CHECKSUMS:
+            raise ValueError(f"l1_checksum must be one of {_L1_CHECKSUMS}, got {self.l1_checksum!r}")
         if self.l2_backend not in _L2_BACKENDS:
             raise ValueError(f"l2_backend must be one of {_L2_BACKENDS}, got {self.l2_backend!r}")
         if self.l2_backend == "fs" and not self.l2_fs_path:

@@ -5,6 +5,10 @@ vLLM gives one tensor per layer whose block axis differs by backend: CPU_ATTN is
 ``[2, num_blocks, block_size, kv_heads, head_dim]`` (axis 1). ``PagedLayout`` finds the
 axis once; host copies are always ``[n_blocks, *block_shape]`` contiguous.
 
+On CPU there is no copy engine to overlap with: copies run on the calling thread, and
+runs of consecutive blocks (consecutive in the paged tensor and in the host slab) move as
+one slice copy, so the usual case is one ``copy_`` per layer.
+
 On CUDA, copies run on side streams into pinned host memory and are ordered by events,
 so a save of layer N overlaps the compute of layer N+1 and a load never blocks the host.
 """
@@ -42,24 +46,44 @@ class PagedLayout:
         return f"dim{self.block_dim}:{'x'.join(map(str, self.block_shape))}:{self.dtype}"
 
 
+# One block move: (host rows tensor, host row, block id in the paged tensor).
+Move = tuple[torch.Tensor, int, int]
+
+
+def coalesce(moves: list[Move]) -> list[tuple[torch.Tensor, int, int, int]]:
+    """Group moves into runs (host rows, first host row, first block, length) where both the
+    host rows and the block ids are consecutive."""
+    runs: list[tuple[torch.Tensor, int, int, int]] = []
+    for host, row, block in sorted(moves, key=lambda m: (id(m[0]), m[1])):
+        if runs:
+            h, r, b, n = runs[-1]
+            if h is host and row == r + n and block == b + n:
+                runs[-1] = (h, r, b, n + 1)
+                continue
+        runs.append((host, row, block, 1))
+    return runs
+
+
 class HostCopier:
     """Synchronous copies (CPU tensors, or any device when no stream is wanted)."""
 
     pinned = False
 
-    def gather(self, kv: torch.Tensor, layout: PagedLayout, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        out = kv.index_select(layout.block_dim, ids)
-        if layout.block_dim:
-            out = out.movedim(layout.block_dim, 0)
-        return out.contiguous().cpu()
+    def gather_rows(self, kv: torch.Tensor, layout: PagedLayout, moves: list[Move]) -> None:
+        """Copy blocks of ``kv`` into host rows, one slice copy per run."""
+        for host, row, block, n in coalesce(moves):
+            src = kv.narrow(layout.block_dim, block, n)
+            if layout.block_dim:
+                src = src.movedim(layout.block_dim, 0)
+            host.narrow(0, row, n).copy_(src)
 
-    def scatter(self, kv: torch.Tensor, layout: PagedLayout, block_ids: list[int], src: torch.Tensor) -> None:
-        ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        src = src.to(kv.device)
-        if layout.block_dim:
-            src = src.movedim(0, layout.block_dim)
-        kv.index_copy_(layout.block_dim, ids, src)
+    def scatter_rows(self, kv: torch.Tensor, layout: PagedLayout, moves: list[Move]) -> None:
+        """Copy host rows into blocks of ``kv``, one slice copy per run."""
+        for host, row, block, n in coalesce(moves):
+            dst = kv.narrow(layout.block_dim, block, n)
+            if layout.block_dim:
+                dst = dst.movedim(layout.block_dim, 0)
+            dst.copy_(host.narrow(0, row, n))
 
     def mark_compute(self) -> Any:
         return None
@@ -91,21 +115,25 @@ class CudaCopier(HostCopier):
         return ev
 
     def gather_async(
-        self, kv: torch.Tensor, layout: PagedLayout, block_ids: list[int], ready: torch.cuda.Event
-    ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Copy blocks out once ``ready`` (this layer's compute) has happened."""
+        self,
+        kv: torch.Tensor,
+        layout: PagedLayout,
+        block_ids: list[int],
+        ready: torch.cuda.Event,
+        host: torch.Tensor,
+    ) -> torch.cuda.Event:
+        """Copy blocks into ``host`` (pinned slab rows) once ``ready`` (this layer's compute)
+        has happened."""
         with torch.cuda.stream(self.save_stream):
             self.save_stream.wait_event(ready)
             ids = torch.tensor(block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
             dev = kv.index_select(layout.block_dim, ids)
             if layout.block_dim:
                 dev = dev.movedim(layout.block_dim, 0)
-            dev = dev.contiguous()
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
             host.copy_(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.save_stream)
-        return host, done
+        return done
 
     def scatter_async(
         self,

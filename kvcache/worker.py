@@ -1,11 +1,20 @@
 """Worker side: moves KV bytes between vLLM's paged cache and the tiers.
 
+L1 is a slab of preallocated host memory (``tiers/slab.py``): a save copies a chunk's
+blocks straight into a free slot, a load copies them back; runs of consecutive blocks move
+as one slice copy, so a prompt's chunks usually cost one copy per layer each way.
+
 Pipelined mode (default):
-- ``start_load`` queues every layer's load, in layer order, up to ``prefetch_window``
-  layers ahead; ``wait_for_layer`` waits for that one layer (on CUDA: the compute stream
-  waits on an event, the host does not block).
-- ``save_layer`` queues the copy-out of that layer and returns; ``wait_for_save`` is the
-  only barrier. Finished chunks go to L1 at once and to L2 through the write-behind queue.
+- ``start_load`` issues the step's loads layer by layer ahead of compute (``prefetch_window``
+  layers ahead); ``wait_for_layer`` waits for that one layer. On CUDA the copies run on a
+  side stream from pinned memory and the compute stream waits on an event (the host does
+  not block). On CPU there is no copy engine to overlap with and every thread competes
+  with compute for the same cores, so L1 copies run on the compute thread, just in time
+  for each layer; only L2 fetches (network or disk waits) go to background threads.
+- ``save_layer`` copies that layer out right after it is computed (CUDA: queued on the
+  save stream, the host returns at once; CPU: at once, while the layer's KV is still in
+  cache); ``wait_for_save`` is the only barrier. Finished chunks go to L1 at once and to
+  L2 through the write-behind queue.
 Sync mode does the same work with no overlap: all loads before the forward, all
 copy-outs in ``wait_for_save``. Both modes share every line of the data path below.
 
@@ -15,6 +24,7 @@ has its blocks reported through ``take_load_errors`` so vLLM recomputes them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -30,23 +40,20 @@ from kvcache.config import KVCacheSettings
 from kvcache.keys import storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.tiers import L1Pool, L2Store, TierUnavailable
+from kvcache.tiers.slab import SlabPool
 from kvcache.tiers.writer import L2Writer
-from kvcache.transfer import CudaCopier, PagedLayout, make_copier
+from kvcache.transfer import CudaCopier, HostCopier, Move, PagedLayout, make_copier
 
 # Under "vllm." so that records reach the handlers vLLM configures in its processes.
 log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
-class StoredChunk:
-    """One chunk in L1: a host tensor per layer plus each tensor's crc32."""
+class L1Chunk:
+    """One chunk in L1: a slab slot (every layer's blocks) and a check value per layer."""
 
-    layers: list[torch.Tensor]
-    crcs: list[int | None]  # None: not checksummed in L1 (l1_checksum off)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+    slot: int
+    sums: list[int | None]  # per layer, by l1_checksum: fingerprint, crc32, or None (off)
 
 
 class _LoadFailed(Exception):
@@ -76,17 +83,22 @@ class KVCacheWorker:
         self.settings = settings
         self.ns = namespace_prefix
         self.tp_rank = tp_rank
-        self.l1: L1Pool[StoredChunk] = L1Pool(settings.l1_capacity_bytes, settings.l1_eviction)
+        self.l1: L1Pool[L1Chunk] = L1Pool(
+            settings.l1_capacity_bytes, settings.l1_eviction, on_drop=self._l1_dropped
+        )
+        self.slab: SlabPool | None = None  # sized in register_kv_caches
         self.l2 = l2
         self.writer = L2Writer(l2, settings.l2_write_queue_max) if l2 is not None else None
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcache-load")
-        # One saver thread keeps copy-outs in layer order.
+        # One saver thread keeps CUDA copy-outs in layer order.
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcache-save")
         self.kv: list[torch.Tensor] = []
         self.block_size = 0
+        self.chunk_blocks = 0
         self.layer_index: dict[str, int] = {}
         self.layout: PagedLayout | None = None
-        self.copier = None
+        self.copier: HostCopier | None = None
+        self.cuda = False
         self._touched: set[str] = set()  # chunk hashes put into / evicted from L1
         # Requests whose load failed this step: the KV they computed this step attended
         # to blocks that were not loaded, so none of it may be saved.
@@ -96,8 +108,7 @@ class KVCacheWorker:
         self._errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._step_load: _StepLoad | None = None
-        self._save_futures: list[Future] = []
-        self._save_started = 0.0
+        self._step_save: _StepSave | None = None
         self.stats = metrics.KVCacheStats()
         metrics.TIER_CAPACITY.labels("l1").set(settings.l1_capacity_bytes)
 
@@ -106,29 +117,106 @@ class KVCacheWorker:
         self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
     ) -> None:
         self.block_size = block_size
+        self.chunk_blocks = self.settings.chunk_size(block_size) // block_size
         names = _layer_order(list(kv_caches))
         self.layer_index = {n: i for i, n in enumerate(names)}
         self.kv = [kv_caches[n] for n in names]
         self.layout = PagedLayout.detect(self.kv[0], num_blocks)
         self.copier = make_copier(self.layout.device)
+        self.cuda = isinstance(self.copier, CudaCopier)
+        self.slab = SlabPool(
+            self.settings.l1_capacity_bytes,
+            len(self.kv),
+            self.chunk_blocks,
+            self.layout.block_shape,
+            self.layout.dtype,
+            pin_memory=self.copier.pinned,
+        )
         log.info(
-            "kvcache: %d layers, layout %s, mode %s", len(self.kv), self.layout.describe(), self.settings.mode
+            "kvcache: %d layers, layout %s, mode %s, L1 %d slots of %d bytes",
+            len(self.kv),
+            self.layout.describe(),
+            self.settings.mode,
+            self.slab.max_slots,
+            self.slab.slot_bytes,
         )
 
     def chunk_key(self, chunk_hash: str) -> str:
         return f"kv:{self.ns}:r{self.tp_rank}:{chunk_hash}"
 
+    # -- L1 slots --------------------------------------------------------------------------
+    def _l1_dropped(self, key: str, chunk: L1Chunk) -> None:
+        assert self.slab is not None
+        self.slab.unref(chunk.slot)
+
+    def _alloc_slot(self, key: str) -> int | None:
+        """A slot for a new chunk, evicting from L1 when every slot is taken (None: all
+        remaining slots are held by loads or queued L2 writes)."""
+        assert self.slab is not None
+        slot = self.slab.alloc(key)
+        while slot is None:
+            gone = self.l1.evict_one()
+            if gone is None:
+                break
+            self._note_evicted([gone])
+            slot = self.slab.alloc(key)
+        if slot is None:
+            self.stats.add("l1_no_slot", 1)
+        return slot
+
+    def _note_evicted(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        metrics.EVICTIONS.labels("l1").inc(len(keys))
+        with self._report_lock:
+            self._touched.update(k.rsplit(":", 1)[1] for k in keys)
+
+    def _sum(self, view: torch.Tensor) -> int | None:
+        mode = self.settings.l1_checksum
+        if mode == "sampled":
+            return codec.fingerprint(view)
+        if mode == "full":
+            return codec.checksum(view)
+        return None
+
+    def _layer_sums(self, layer: int, slots: list[int]) -> list[int | None]:
+        """Check values of one layer of many slots; consecutive slots share one sampling op."""
+        assert self.slab is not None
+        mode = self.settings.l1_checksum
+        if mode != "sampled":
+            return [self._sum(self.slab.view(s, layer)) for s in slots]
+        out: dict[int, int] = {}
+        order = sorted(set(slots))
+        i = 0
+        while i < len(order):
+            j = i + 1
+            seg = self.slab.segment_of(order[i])
+            while j < len(order) and order[j] == order[j - 1] + 1 and self.slab.segment_of(order[j]) == seg:
+                j += 1
+            base, row0 = self.slab.rows(order[i], layer)
+            run = base.narrow(0, row0, (j - i) * self.chunk_blocks).view(j - i, -1)
+            out.update(zip(order[i:j], codec.fingerprints(run), strict=True))
+            i = j
+        return [out[s] for s in slots]
+
+    def _check_chunk_blocks(self, meta: KVCacheStepMetadata) -> None:
+        if meta.chunk_tokens and meta.chunk_tokens != self.chunk_blocks * self.block_size:
+            raise ValueError(
+                f"chunk_tokens {meta.chunk_tokens} != {self.chunk_blocks} x block size {self.block_size}"
+            )
+
     # -- load ------------------------------------------------------------------------------
     def start_load(self, meta: KVCacheStepMetadata) -> None:
         if not meta.loads or not self.kv:
             return
+        self._check_chunk_blocks(meta)
         step = _StepLoad(self, meta.loads)
-        step.chunk_blocks = meta.chunk_tokens // self.block_size
         self._step_load = step
         if self.settings.pipelined:
             step.submit_upto(self.settings.prefetch_window or len(self.kv))
         else:
-            step.run_all_inline()
+            for layer in range(len(self.kv)):
+                step.complete_layer(layer, host_wait=True)
 
     def wait_for_layer(self, layer_name: str) -> None:
         step = self._step_load
@@ -139,47 +227,25 @@ class KVCacheWorker:
             step.wait_layer(layer)
 
     def finish_load(self) -> None:
-        """Drain any load still in flight (a layer whose wait never came); then account."""
+        """Complete any load whose wait never came; then account and release."""
         step = self._step_load
         if step is None:
             return
         self._step_load = None
         step.finish()
 
-    def _load_layer(self, step: _StepLoad, layer: int) -> object:
-        """Copy one layer of every chunk in the step; failed chunks are marked, not raised."""
-        assert self.layout is not None and self.copier is not None
-        last_event = None
+    def _prepare_layer(self, step: _StepLoad, layer: int) -> None:
+        """Fetch, check and stage one layer of the step's L2 chunks (L1 chunks need nothing)."""
         for idx, item in enumerate(step.items):
-            if step.failed[idx]:
+            if step.failed[idx] or step.l1_chunks[idx] is not None:
                 continue
             try:
-                src = self._fetch(step, idx, item, layer)
-                rows = [i for i, _ in item.blocks]
-                if rows != list(range(src.shape[0])):
-                    src = src[rows]
-                block_ids = [b for _, b in item.blocks]
-                if isinstance(self.copier, CudaCopier):
-                    last_event = self.copier.scatter_async(
-                        self.kv[layer], self.layout, block_ids, src, step.compute_ready
-                    )
-                else:
-                    self.copier.scatter(self.kv[layer], self.layout, block_ids, src)
+                step.sources[idx][layer] = self._fetch_l2(step, idx, item, layer)
             except _LoadFailed as exc:
                 step.fail(idx, exc.reason)
-        return last_event
 
-    def _fetch(self, step: _StepLoad, idx: int, item: ChunkTransfer, layer: int) -> torch.Tensor:
-        assert self.layout is not None
-        chunk = step.l1_chunks[idx]
-        n_blocks = step.chunk_blocks
-        if chunk is not None:
-            src, crc = chunk.layers[layer], chunk.crcs[layer]
-            if self._corrupt():
-                src = torch.zeros_like(src)
-            if crc is not None and self.settings.verify_checksum and codec.checksum(src) != crc:
-                raise _LoadFailed("integrity")
-            return src
+    def _fetch_l2(self, step: _StepLoad, idx: int, item: ChunkTransfer, layer: int) -> torch.Tensor:
+        assert self.layout is not None and self.slab is not None
         if self.l2 is None:
             raise _LoadFailed("absent")
         key = storage_key(self.ns, self.tp_rank, item.chunk_hash, layer)
@@ -190,8 +256,8 @@ class KVCacheWorker:
             raise _LoadFailed("unavailable") from exc
         if record is None:
             raise _LoadFailed("absent")
-        expected = codec.Expected(key, self.layout.dtype, self.layout.chunk_shape(n_blocks))
-        if self._corrupt():
+        expected = codec.Expected(key, self.layout.dtype, self.layout.chunk_shape(self.chunk_blocks))
+        if step.corrupt:
             head = len(record) - expected_nbytes(expected)
             record = record[:head] + bytes(len(record) - head)
         try:
@@ -199,8 +265,80 @@ class KVCacheWorker:
         except codec.IntegrityError as exc:
             raise _LoadFailed("integrity") from exc
         metrics.BYTES_LOADED.labels(self.l2.name).inc(len(record))
-        step.l2_layers[idx][layer] = (src, crc)
-        return src
+        slot = step.promo_slots[idx]
+        if slot is None:
+            return src
+        # Stage in the slot that keeps this chunk in L1 afterwards (the next hit is a copy).
+        view = self.slab.view(slot, layer)
+        view.copy_(src)
+        step.promo_sums[idx][layer] = crc if self.settings.l1_checksum == "full" else self._sum(view)
+        return view
+
+    def _check_l1(self, step: _StepLoad, layer: int) -> dict[int, torch.Tensor]:
+        """Check this layer of the step's L1 chunks; failures are marked. Returns, under the
+        test-only fault injection, the zeros that replace each chunk's bytes."""
+        assert self.slab is not None
+        checked: dict[int, L1Chunk] = {}
+        for idx, chunk in enumerate(step.l1_chunks):
+            if chunk is None or step.failed[idx]:
+                continue
+            if self.slab.owner(chunk.slot) != self.chunk_key(step.items[idx].chunk_hash):
+                step.fail(idx, "integrity")  # the slot no longer holds this chunk
+                continue
+            checked[idx] = chunk
+        replaced: dict[int, torch.Tensor] = {}
+        if step.corrupt:
+            replaced = {i: torch.zeros_like(self.slab.view(c.slot, layer)) for i, c in checked.items()}
+        if not self.settings.verify_checksum or self.settings.l1_checksum == "off":
+            return replaced
+        if step.corrupt:
+            got = [self._sum(replaced[i]) for i in checked]
+        else:
+            got = self._layer_sums(layer, [c.slot for c in checked.values()])
+        for (idx, chunk), value in zip(checked.items(), got, strict=True):
+            expected = chunk.sums[layer]
+            if expected is not None and value != expected:
+                step.fail(idx, "integrity")
+        return replaced
+
+    def _scatter_layer(self, step: _StepLoad, layer: int) -> object:
+        """Copy one layer of every loadable chunk into the paged cache; failed chunks are
+        marked (and never copied), not raised. Returns the CUDA event of the last copy."""
+        assert self.layout is not None and self.copier is not None and self.slab is not None
+        kv = self.kv[layer]
+        replaced = self._check_l1(step, layer)
+        moves: list[Move] = []
+        last_event = None
+        for idx, item in enumerate(step.items):
+            if step.failed[idx]:
+                continue
+            chunk = step.l1_chunks[idx]
+            slot = chunk.slot if chunk is not None else step.promo_slots[idx]
+            if idx in replaced:
+                base, row0 = replaced[idx], 0
+            elif slot is not None:
+                base, row0 = self.slab.rows(slot, layer)
+            else:
+                src = step.sources[idx][layer]
+                if src is None:  # not fetched (its chunk failed on another layer)
+                    continue
+                base, row0 = src, 0
+            if self.cuda:
+                rows = [row0 + i for i, _ in item.blocks]
+                consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+                src = base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
+                last_event = self.copier.scatter_async(  # type: ignore[attr-defined]
+                    kv, self.layout, [b for _, b in item.blocks], src, step.compute_ready
+                )
+            else:
+                moves.extend((base, row0 + i, b) for i, b in item.blocks)
+        if moves:
+            self.copier.scatter_rows(kv, self.layout, moves)
+        return last_event
+
+    def _load_layer_cuda(self, step: _StepLoad, layer: int) -> object:
+        self._prepare_layer(step, layer)
+        return self._scatter_layer(step, layer)
 
     def _corrupt(self) -> bool:
         path = self.settings.fault_injection_file
@@ -225,91 +363,119 @@ class KVCacheWorker:
         layer = self.layer_index.get(layer_name)
         if layer is None:
             return
-        if not self._save_futures:
-            self._save_started = time.perf_counter()
+        step = self._step_save
+        if step is None:
+            self._check_chunk_blocks(meta)
+            step = self._step_save = _StepSave(self, meta.saves)
         assert self.copier is not None
-        ready = self.copier.mark_compute()
-        self._save_futures.append(self._saver.submit(self._gather_layer, layer, meta.saves, ready))
+        if self.cuda:
+            ready = self.copier.mark_compute()
+            step.futures[layer] = self._saver.submit(self._gather_layer, step, layer, ready)
+        else:
+            # No copy engine: copy now, while this layer's KV is still in the CPU's caches.
+            self._gather_layer(step, layer, None)
+        step.issued[layer] = True
 
     def wait_for_save(self, meta: KVCacheStepMetadata | None) -> None:
-        """The one barrier of the save path: every queued copy-out of this step finishes here."""
+        """The one barrier of the save path: every copy-out of this step finishes here."""
         self.finish_load()
+        step, self._step_save = self._step_save, None
         if meta is None or not meta.saves or not self.kv:
-            self._save_futures = []
+            if step is not None:
+                step.release_all()
             with self._report_lock:
                 self._failed_reqs |= self._step_failed_reqs
             self._step_failed_reqs = set()
             return
         t0 = time.perf_counter()
-        if self.settings.pipelined and len(self._save_futures) == len(self.kv):
-            per_layer = [f.result() for f in self._save_futures]
-        else:
-            # Sync mode (or layers whose save hook never ran): copy everything out now.
-            ready = self.copier.mark_compute() if self.copier else None
-            per_layer = [self._gather_layer(layer, meta.saves, ready) for layer in range(len(self.kv))]
-        self._save_futures = []
+        if step is None:
+            self._check_chunk_blocks(meta)
+            step = _StepSave(self, meta.saves)
+        ready = None
+        for layer in range(len(self.kv)):
+            fut = step.futures[layer]
+            if fut is not None:
+                fut.result()
+            elif not step.issued[layer]:
+                # Sync mode (or a layer whose save hook never ran): copy it out now.
+                if ready is None and self.copier is not None:
+                    ready = self.copier.mark_compute()
+                self._gather_layer(step, layer, ready)
         failed, self._step_failed_reqs = self._step_failed_reqs, set()
-        keep = [i for i, item in enumerate(meta.saves) if item.req_id not in failed]
         with self._report_lock:
             self._failed_reqs |= failed
-        self._commit([meta.saves[i] for i in keep], [[layer[i] for i in keep] for layer in per_layer])
+        self._commit(step, failed)
         waited = time.perf_counter() - t0
         metrics.SAVE_SECONDS.observe(waited)
         self.stats.add("save_wait_s", waited)
 
-    def _gather_layer(self, layer: int, saves: list[ChunkTransfer], ready: object) -> list[tuple]:
-        assert self.layout is not None and self.copier is not None
-        out = []
-        for item in saves:
-            ids = [b for _, b in item.blocks]
-            if isinstance(self.copier, CudaCopier):
-                host, done = self.copier.gather_async(self.kv[layer], self.layout, ids, ready)
-                out.append((host, done))
+    def _gather_layer(self, step: _StepSave, layer: int, ready: object) -> None:
+        assert self.layout is not None and self.copier is not None and self.slab is not None
+        kv = self.kv[layer]
+        if self.cuda:
+            for idx, item in enumerate(step.items):
+                dst = step.target(idx, layer).narrow(0, 0, len(item.blocks))
+                step.events[layer] = self.copier.gather_async(  # type: ignore[attr-defined]
+                    kv, self.layout, [b for _, b in item.blocks], ready, dst
+                )
+            return
+        moves: list[Move] = []
+        for idx, item in enumerate(step.items):
+            slot = step.slots[idx]
+            if slot is not None:
+                base, row0 = self.slab.rows(slot, layer)
             else:
-                host = self.copier.gather(self.kv[layer], self.layout, ids)
-                out.append((host, codec.checksum(host) if self.settings.l1_checksum else None))
-        return out
+                base, row0 = step.target(idx, layer), 0
+            moves.extend((base, row0 + i, b) for i, b in item.blocks)
+        self.copier.gather_rows(kv, self.layout, moves)
+        held = {idx: slot for idx, slot in enumerate(step.slots) if slot is not None}
+        for idx, value in zip(held, self._layer_sums(layer, list(held.values())), strict=True):
+            step.sums[idx][layer] = value
 
-    def _commit(self, saves: list[ChunkTransfer], per_layer: list[list[tuple]]) -> None:
+    def _commit(self, step: _StepSave, failed_reqs: set[str]) -> None:
+        assert self.slab is not None and self.copier is not None
+        if self.cuda:
+            for ev in step.events:
+                self.copier.wait_host(ev)
         stored: set[str] = set()
-        evicted: set[str] = set()
         tokens = 0
-        for idx, item in enumerate(saves):
-            layers: list[torch.Tensor] = []
-            crcs: list[int | None] = []
-            for layer_out in per_layer:
-                host, crc_or_event = layer_out[idx]
-                if not isinstance(crc_or_event, int):
-                    self.copier.wait_host(crc_or_event)  # type: ignore[union-attr]
-                    # On a GPU a host crc of every saved byte would sit on the barrier;
-                    # with l1_checksum off the L2 writer computes it in the background.
-                    crc_or_event = codec.checksum(host) if self.settings.l1_checksum else None
-                layers.append(host)
-                crcs.append(crc_or_event)
-            chunk = StoredChunk(layers, crcs)
-            for gone in self.l1.put(self.chunk_key(item.chunk_hash), chunk, chunk.nbytes):
-                evicted.add(gone.rsplit(":", 1)[1])
-            if self.chunk_key(item.chunk_hash) in self.l1:
-                stored.add(item.chunk_hash)
-                metrics.BYTES_SAVED.labels("l1").inc(chunk.nbytes)
+        full = self.settings.l1_checksum == "full"
+        for idx, item in enumerate(step.items):
+            slot = step.slots[idx]
+            if item.req_id in failed_reqs:
+                if slot is not None:
+                    self.slab.unref(slot)
+                continue
+            key = self.chunk_key(item.chunk_hash)
+            layers = [step.target(idx, layer) for layer in range(len(self.kv))]
+            if slot is not None:
+                sums = step.sums[idx]
+                if self.cuda:  # copied by DMA: check values from the host copy, now complete
+                    sums = [self._layer_sums(layer, [slot])[0] for layer in range(len(layers))]
+                if self.writer is not None:
+                    for _ in layers:  # queued L2 writes read the slot: hold it for them
+                        self.slab.ref(slot)
+                self._note_evicted(self.l1.put(key, L1Chunk(slot, sums), self.slab.slot_bytes))
+                if key in self.l1:  # the step's reference now belongs to L1's index
+                    stored.add(item.chunk_hash)
+                    metrics.BYTES_SAVED.labels("l1").inc(self.slab.slot_bytes)
+                else:
+                    self.slab.unref(slot)
+                release = functools.partial(self.slab.unref, slot)
+            else:
+                sums, release = [None] * len(layers), None  # L2 only: no slot was free
             tokens += len(item.blocks) * self.block_size
             if self.writer is not None:
-                for layer, (t, c) in enumerate(zip(layers, crcs, strict=True)):
-                    self.writer.submit(storage_key(self.ns, self.tp_rank, item.chunk_hash, layer), t, c)
+                for layer, t in enumerate(layers):
+                    crc = sums[layer] if full and slot is not None else None  # None: writer computes it
+                    self.writer.submit(
+                        storage_key(self.ns, self.tp_rank, item.chunk_hash, layer), t, crc, release
+                    )
         metrics.TOKENS_SAVED.inc(tokens)
-        metrics.EVICTIONS.labels("l1").inc(len(evicted))
         metrics.TIER_BYTES.labels("l1").set(self.l1.bytes_used)
         self.stats.add("tokens_saved", tokens)
         with self._report_lock:
-            self._touched |= stored | evicted
-
-    def promote(self, chunk_hash: str, chunk: StoredChunk) -> None:
-        """Keep a chunk loaded from L2 in L1, so the next hit is a memory copy."""
-        gone = self.l1.put(self.chunk_key(chunk_hash), chunk, chunk.nbytes)
-        metrics.EVICTIONS.labels("l1").inc(len(gone))
-        with self._report_lock:
-            self._touched.add(chunk_hash)
-            self._touched.update(g.rsplit(":", 1)[1] for g in gone)
+            self._touched |= stored
 
     def take_report(self) -> KVCacheWorkerReport | None:
         """Where each chunk touched since the last report is now (L1 is the truth)."""
@@ -345,25 +511,82 @@ def expected_nbytes(expected: codec.Expected) -> int:
     return n * torch.empty((), dtype=expected.dtype).element_size()
 
 
-class _StepLoad:
-    """The loads of one engine step: per-layer futures and per-chunk outcome."""
+class _StepSave:
+    """The saves of one engine step: a slot (or, when none is free, a spill buffer for the
+    L2 write only) per chunk, and per-layer copy state."""
 
     def __init__(self, worker: KVCacheWorker, items: list[ChunkTransfer]) -> None:
+        assert worker.slab is not None and worker.layout is not None and worker.copier is not None
+        self.worker = worker
+        self.items = items
+        n_layers = len(worker.kv)
+        self.slots: list[int | None] = []
+        self.spill: list[torch.Tensor | None] = []
+        for item in items:
+            slot = worker._alloc_slot(worker.chunk_key(item.chunk_hash))
+            self.slots.append(slot)
+            self.spill.append(
+                None
+                if slot is not None
+                else torch.empty(
+                    (n_layers, *worker.layout.chunk_shape(worker.chunk_blocks)),
+                    dtype=worker.layout.dtype,
+                    pin_memory=worker.copier.pinned,
+                )
+            )
+        self.sums: list[list[int | None]] = [[None] * n_layers for _ in items]
+        self.futures: list[Future | None] = [None] * n_layers
+        self.events: list[object] = [None] * n_layers
+        self.issued = [False] * n_layers
+
+    def target(self, idx: int, layer: int) -> torch.Tensor:
+        slot = self.slots[idx]
+        if slot is not None:
+            return self.worker.slab.view(slot, layer)  # type: ignore[union-attr]
+        return self.spill[idx][layer]  # type: ignore[index]
+
+    def release_all(self) -> None:
+        for fut in self.futures:
+            if fut is not None:
+                fut.result()
+        for ev in self.events:
+            self.worker.copier.wait_host(ev)  # type: ignore[union-attr]
+        for slot in self.slots:
+            if slot is not None:
+                self.worker.slab.unref(slot)  # type: ignore[union-attr]
+
+
+class _StepLoad:
+    """The loads of one engine step: per-layer progress and per-chunk outcome.
+
+    L1 chunks are pinned (one slot reference each) for the step, so no save or eviction
+    can reuse their memory while a copy may still read it.
+    """
+
+    def __init__(self, worker: KVCacheWorker, items: list[ChunkTransfer]) -> None:
+        assert worker.slab is not None
         self.worker = worker
         self.items = items
         self.t0 = time.perf_counter()
         n_layers = len(worker.kv)
-        self.chunk_blocks = 0
-        self.l1_chunks: list[StoredChunk | None] = []
+        slab = worker.slab
+        self.l1_chunks: list[L1Chunk | None] = []
+        self.promo_slots: list[int | None] = []
         for item in items:
-            chunk = worker.l1.get(worker.chunk_key(item.chunk_hash))
+            key = worker.chunk_key(item.chunk_hash)
+            chunk = worker.l1.get(key, on_hit=lambda c: slab.ref(c.slot))
             self.l1_chunks.append(chunk)
+            promo = worker._alloc_slot(key) if chunk is None and worker.l2 is not None else None
+            self.promo_slots.append(promo)
+        self.uses_l2 = any(c is None for c in self.l1_chunks) and worker.l2 is not None
+        self.corrupt = worker._corrupt()
         self.failed = [False] * len(items)
         self.reasons: list[str] = [""] * len(items)
-        self.l2_layers: list[list[tuple[torch.Tensor, int] | None]] = [[None] * n_layers for _ in items]
+        self.sources: list[list[torch.Tensor | None]] = [[None] * n_layers for _ in items]
+        self.promo_sums: list[list[int | None]] = [[None] * n_layers for _ in items]
         self.futures: list[Future | None] = [None] * n_layers
         self.events: list[object] = [None] * n_layers
-        self.waited = [False] * n_layers
+        self.done = [False] * n_layers
         self.next_submit = 0
         self.compute_ready = worker.copier.mark_compute() if worker.copier else None
         self._lock = threading.Lock()
@@ -375,39 +598,56 @@ class _StepLoad:
                 self.reasons[idx] = reason
 
     def submit_upto(self, count: int) -> None:
+        """Start background work for layers below ``count``: the whole load on CUDA (side
+        stream), only L2 fetches on CPU (L1 copies run on the compute thread)."""
+        w = self.worker
         while self.next_submit < min(count, len(self.futures)):
             layer = self.next_submit
-            self.futures[layer] = self.worker._io.submit(self.worker._load_layer, self, layer)
+            if w.cuda:
+                self.futures[layer] = w._io.submit(w._load_layer_cuda, self, layer)
+            elif self.uses_l2:
+                self.futures[layer] = w._io.submit(w._prepare_layer, self, layer)
             self.next_submit += 1
 
-    def run_all_inline(self) -> None:
-        for layer in range(len(self.futures)):
-            ev = self.worker._load_layer(self, layer)
-            self.worker.copier.wait_host(ev)  # type: ignore[union-attr]
-            self.waited[layer] = True
-        self.next_submit = len(self.futures)
+    def complete_layer(self, layer: int, host_wait: bool) -> None:
+        """Make ``layer``'s load complete (CPU) or ordered before compute (CUDA)."""
+        if self.done[layer]:
+            return
+        w = self.worker
+        fut = self.futures[layer]
+        if w.cuda:
+            ev = fut.result() if fut is not None else w._load_layer_cuda(self, layer)
+            self.events[layer] = ev
+            (w.copier.wait_host if host_wait else w.copier.wait_device)(ev)  # type: ignore[union-attr]
+        else:
+            if fut is not None:
+                fut.result()
+            else:
+                w._prepare_layer(self, layer)
+            w._scatter_layer(self, layer)
+        self.done[layer] = True
 
     def wait_layer(self, layer: int) -> None:
         window = self.worker.settings.prefetch_window or len(self.futures)
         self.submit_upto(layer + 1)
-        fut = self.futures[layer]
-        if fut is not None and not self.waited[layer]:
-            self.events[layer] = fut.result()
-            self.worker.copier.wait_device(self.events[layer])  # type: ignore[union-attr]
-            self.waited[layer] = True
+        self.complete_layer(layer, host_wait=False)
         self.submit_upto(layer + 1 + window)
 
     def finish(self) -> None:
-        self.submit_upto(len(self.futures))
-        for layer, fut in enumerate(self.futures):
-            if fut is not None and not self.waited[layer]:
-                self.worker.copier.wait_host(fut.result())  # type: ignore[union-attr]
         w = self.worker
+        assert w.slab is not None
+        for layer in range(len(self.futures)):
+            self.complete_layer(layer, host_wait=True)
+        for ev in self.events:  # copies may still read pinned slots: done before release
+            w.copier.wait_host(ev)  # type: ignore[union-attr]
         bad: set[int] = set()
         failed_reqs: set[str] = set()
         loaded_tokens = 0
         for idx, item in enumerate(self.items):
+            promo = self.promo_slots[idx]
             if self.failed[idx]:
+                if promo is not None:
+                    w.slab.unref(promo)
                 bad.update(b for _, b in item.blocks)
                 failed_reqs.add(item.req_id)
                 with w._report_lock:
@@ -428,16 +668,25 @@ class _StepLoad:
             metrics.HITS.labels(tier).inc()
             w.stats.add(f"hit_{tier}", 1)
             loaded_tokens += len(item.blocks)
-            if tier == "l2":
-                layers = self.l2_layers[idx]
-                if all(x is not None for x in layers):
-                    w.promote(item.chunk_hash, StoredChunk([x[0] for x in layers], [x[1] for x in layers]))
+            if promo is not None:
+                # Keep the chunk loaded from L2 in L1, so the next hit is a memory copy.
+                key = w.chunk_key(item.chunk_hash)
+                w._note_evicted(w.l1.put(key, L1Chunk(promo, self.promo_sums[idx]), w.slab.slot_bytes))
+                if key in w.l1:
+                    with w._report_lock:
+                        w._touched.add(item.chunk_hash)
+                else:
+                    w.slab.unref(promo)
+        for chunk in self.l1_chunks:
+            if chunk is not None:
+                w.slab.unref(chunk.slot)
         if bad:
             with w._errors_lock:
                 w._errors |= bad
         w._step_failed_reqs = failed_reqs
         block_tokens = w.block_size
         metrics.TOKENS_LOADED.inc(loaded_tokens * block_tokens)
+        metrics.TIER_BYTES.labels("l1").set(w.l1.bytes_used)
         w.stats.add("tokens_loaded", loaded_tokens * block_tokens)
         elapsed = time.perf_counter() - self.t0
         metrics.LOAD_SECONDS.observe(elapsed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -30,13 +31,20 @@ class _Entry(Generic[V]):
 
 
 class L1Pool(Generic[V]):
-    """Thread-safe byte-bounded cache; ``put`` returns the keys it evicted."""
+    """Thread-safe byte-bounded cache; ``put`` returns the keys it evicted.
 
-    def __init__(self, capacity_bytes: int, policy: str = "s3fifo") -> None:
+    ``on_drop(key, value)`` runs (under the pool's lock) for every value that leaves the
+    pool: evicted, replaced or cleared; the worker uses it to release the value's slot.
+    """
+
+    def __init__(
+        self, capacity_bytes: int, policy: str = "s3fifo", on_drop: Callable[[str, V], None] | None = None
+    ) -> None:
         if policy not in ("s3fifo", "lru"):
             raise ValueError(f"unknown eviction policy {policy!r}")
         self.capacity_bytes = capacity_bytes
         self.policy = policy
+        self._on_drop = on_drop
         self._lock = threading.Lock()
         # lru uses only _main (ordered oldest first). s3fifo uses _small, _main and _ghost.
         self._small: OrderedDict[str, _Entry[V]] = OrderedDict()
@@ -47,7 +55,9 @@ class L1Pool(Generic[V]):
         self.evictions = 0
 
     # -- reads -------------------------------------------------------------------------
-    def get(self, key: str) -> V | None:
+    def get(self, key: str, on_hit: Callable[[V], None] | None = None) -> V | None:
+        """The value (counted as a use), or None. ``on_hit(value)`` runs under the lock,
+        so a caller can take a reference before any eviction can drop the value."""
         with self._lock:
             entry = self._small.get(key) or self._main.get(key)
             if entry is None:
@@ -56,6 +66,8 @@ class L1Pool(Generic[V]):
                 self._main.move_to_end(key)
             else:
                 entry.freq = min(entry.freq + 1, _MAX_FREQ)
+            if on_hit is not None:
+                on_hit(entry.value)
             return entry.value
 
     def __contains__(self, key: str) -> bool:
@@ -84,6 +96,8 @@ class L1Pool(Generic[V]):
                 if victim is None:
                     break
                 evicted.append(victim)
+            if nbytes > self.capacity_bytes - self._small_bytes - self._main_bytes:
+                return evicted  # cannot fit (only when nothing is left to evict)
             entry = _Entry(value, nbytes)
             if self.policy == "lru" or key in self._ghost:
                 self._ghost.pop(key, None)
@@ -95,8 +109,19 @@ class L1Pool(Generic[V]):
             self.evictions += len(evicted)
         return evicted
 
+    def evict_one(self) -> str | None:
+        """Evict one entry by the policy (to free its memory for a new one); its key or None."""
+        with self._lock:
+            victim = self._evict_one()
+            if victim is not None:
+                self.evictions += 1
+            return victim
+
     def clear(self) -> None:
         with self._lock:
+            if self._on_drop is not None:
+                for key, entry in [*self._small.items(), *self._main.items()]:
+                    self._on_drop(key, entry.value)
             self._small.clear()
             self._main.clear()
             self._ghost.clear()
@@ -107,9 +132,15 @@ class L1Pool(Generic[V]):
         entry = self._small.pop(key, None)
         if entry is not None:
             self._small_bytes -= entry.nbytes
+            self._dropped(key, entry)
         entry = self._main.pop(key, None)
         if entry is not None:
             self._main_bytes -= entry.nbytes
+            self._dropped(key, entry)
+
+    def _dropped(self, key: str, entry: _Entry[V]) -> None:
+        if self._on_drop is not None:
+            self._on_drop(key, entry.value)
 
     def _evict_one(self) -> str | None:
         if self.policy == "lru":
@@ -117,6 +148,7 @@ class L1Pool(Generic[V]):
                 return None
             key, entry = self._main.popitem(last=False)
             self._main_bytes -= entry.nbytes
+            self._dropped(key, entry)
             return key
         small_target = self.capacity_bytes // 10
         while self._small or self._main:
@@ -133,6 +165,7 @@ class L1Pool(Generic[V]):
                 # The ghost list holds keys only; bound it by entry count.
                 while len(self._ghost) > max(16, len(self._small) + len(self._main)):
                     self._ghost.popitem(last=False)
+                self._dropped(key, entry)
                 return key
             key, entry = self._main.popitem(last=False)
             if entry.freq > 0:
@@ -140,5 +173,6 @@ class L1Pool(Generic[V]):
                 self._main[key] = entry  # second chance: back to the head
                 continue
             self._main_bytes -= entry.nbytes
+            self._dropped(key, entry)
             return key
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -32,21 +33,29 @@ class L2Writer:
         self.failed = 0
         self.dropped = 0
 
-    def submit(self, key: str, tensor: torch.Tensor, crc: int | None) -> bool:
-        """Queue one record (crc None: computed here); False (and counted) when the queue is full."""
+    def submit(
+        self, key: str, tensor: torch.Tensor, crc: int | None, release: Callable[[], None] | None = None
+    ) -> bool:
+        """Queue one record (crc None: computed here); False (and counted) when the queue is full.
+
+        ``release`` runs once ``tensor`` is no longer needed (encoded, or dropped): the
+        worker uses it to free the L1 slot the tensor lives in.
+        """
         try:
-            self._queue.put_nowait((key, tensor, crc))
+            self._queue.put_nowait((key, tensor, crc, release))
             return True
         except queue.Full:
             self.dropped += 1
             metrics.L2_DROPPED.inc()
+            if release is not None:
+                release()
             return False
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything queued so far is written (or failed). For tests and benches."""
         done = threading.Event()
         try:
-            self._queue.put((None, done, 0), timeout=timeout_s)
+            self._queue.put((None, done, 0, None), timeout=timeout_s)
         except queue.Full:
             return False
         return done.wait(timeout_s)
@@ -60,12 +69,16 @@ class L2Writer:
             item = self._queue.get()
             if item is _STOP:
                 return
-            key, tensor, crc = item
+            key, tensor, crc, release = item
             if key is None:
                 tensor.set()  # a flush marker
                 continue
             try:
-                record = codec.encode(key, tensor, crc)
+                try:
+                    record = codec.encode(key, tensor, crc)
+                finally:
+                    if release is not None:
+                        release()
                 self.store.put(key, record)
                 self.written += 1
                 metrics.BYTES_SAVED.labels(self.store.name).inc(len(record))

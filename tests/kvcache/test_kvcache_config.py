@@ -24,3 +24,12 @@ def test_chunk_must_be_block_multiple() -> None:
     with pytest.raises(ValueError):
         s.chunk_size(128)
     assert KVCacheSettings.from_extra({"chunk_tokens": 256}).chunk_size(128) == 256
+
+
+def test_l1_checksum_values() -> None:
+    assert KVCacheSettings.from_extra(None).l1_checksum == "sampled"
+    assert KVCacheSettings.from_extra({"l1_checksum": True}).l1_checksum == "full"
+    assert KVCacheSettings.from_extra({"l1_checksum": False}).l1_checksum == "off"
+    assert KVCacheSettings.from_extra({"l1_checksum": "full"}).l1_checksum == "full"
+    with pytest.raises(ValueError):
+        KVCacheSettings.from_extra({"l1_checksum": "md5"})

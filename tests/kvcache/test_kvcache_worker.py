@@ -144,3 +144,68 @@ def test_failed_load_drops_that_requests_saves() -> None:
     assert report.stored == {"b1"} and "missing" in report.evicted
     assert w.chunk_key("a1") not in w.l1
     w.shutdown()
+
+
+@pytest.mark.parametrize("l1_checksum", ["sampled", "full", "off"])
+def test_l1_checksum_modes_roundtrip_and_detect(l1_checksum: str, tmp_path) -> None:
+    flag = tmp_path / "fault"
+    w, kv = _worker({"l1_checksum": l1_checksum, "fault_injection_file": str(flag)})
+    _fill(kv, [1])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)])], chunk_tokens=BS))
+    flag.write_text("zeros")
+    errors = _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("a", [(0, 5)])], chunk_tokens=BS))
+    # With checks on, zeros are caught and never copied; with them off they get through.
+    assert errors == (set() if l1_checksum == "off" else {5})
+    flag.unlink()
+    assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("a", [(0, 6)])], chunk_tokens=BS)) == set()
+    assert all(torch.equal(t[6], t[1]) for t in kv.values())
+    w.shutdown()
+
+
+def test_cpu_pipelined_l1_path_uses_no_threads() -> None:
+    """On CPU there is no copy engine: L1 copies run on the compute thread (threads would
+    only compete with compute for the same cores)."""
+    w, kv = _worker({"mode": "pipelined"})
+    _fill(kv, [1, 2])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)]), ChunkTransfer("b", [(0, 2)])],
+                                 chunk_tokens=BS))  # fmt: skip
+    assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("a", [(0, 8)]), ChunkTransfer("b", [(0, 9)])],
+                                        chunk_tokens=BS)) == set()  # fmt: skip
+    assert all(torch.equal(t[8], t[1]) and torch.equal(t[9], t[2]) for t in kv.values())
+    assert not w._io._threads and not w._saver._threads
+    w.shutdown()
+
+
+def test_slots_are_never_leaked(tmp_path) -> None:
+    """Every slot in use belongs to L1 once writes and loads are done, through saves,
+    loads, evictions, failed loads and L2 write-behind."""
+    one_chunk = LAYERS * HEADS * BS * DIM2 * 4
+    w, kv = _worker({"l1_capacity_bytes": 4 * one_chunk}, FilesystemStore(str(tmp_path)))
+    _fill(kv, list(range(BLOCKS)))
+    for i in range(10):
+        _step(w, KVCacheStepMetadata(saves=[ChunkTransfer(f"h{i}", [(0, i)], f"r{i}")], chunk_tokens=BS))
+        loads = [ChunkTransfer(f"h{j}", [(0, 12 + j % 4)], "x") for j in range(max(0, i - 5), i)]
+        _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=BS))
+    assert w.writer is not None and w.writer.flush()
+    assert w.slab is not None and w.slab.slots_in_use == len(w.l1) <= 4
+    w.shutdown()
+
+
+def test_no_free_slot_still_writes_l2(tmp_path) -> None:
+    """When every slot is held (e.g. by loads in flight), a save skips L1 but still reaches L2."""
+    one_chunk = LAYERS * HEADS * BS * DIM2 * 4
+    w, kv = _worker({"l1_capacity_bytes": one_chunk}, FilesystemStore(str(tmp_path)))
+    _fill(kv, [1, 2])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)])], chunk_tokens=BS))
+    assert w.slab is not None and w.slab.slots_in_use == 1
+    w.slab.ref(0)  # a reader still holds chunk a's slot
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("b", [(0, 2)])], chunk_tokens=BS))
+    assert w.chunk_key("a") not in w.l1 and w.chunk_key("b") not in w.l1
+    assert w.writer is not None and w.writer.flush()
+    w.slab.unref(0)
+    assert w.slab.slots_in_use == 0
+    # b comes back from L2 (and is promoted into the now free slot).
+    assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("b", [(0, 7)])], chunk_tokens=BS)) == set()
+    assert all(torch.equal(t[7], t[2]) for t in kv.values())
+    assert w.chunk_key("b") in w.l1
+    w.shutdown()
