@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from aibrix_operators.local_airflow import airflow_cli
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
-from tests.integration.services import S3Server, airflow_cli, start_seaweedfs, stop_group
+from tests.integration.services import S3Server, start_seaweedfs, stop_group
 
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 TINY_MODEL = WORK_DIR / "models" / "tiny-llama"

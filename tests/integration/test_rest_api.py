@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
+from aibrix_operators.local_airflow import start_airflow, trigger_and_wait
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
-from tests.integration.services import start_airflow
 
 
 @pytest.fixture
@@ -26,31 +25,13 @@ def test_rest_api_triggers_a_batch_run(airflow, vllm_chat, tmp_path):
     requests = chat_requests(12)
     input_path = write_jsonl(tmp_path / "input.jsonl", requests)
     out = tmp_path / "out"
-    token = airflow.token()
-
-    deadline = time.monotonic() + 120
-    while True:  # the dag-processor parses the DAG folder shortly after start
-        try:
-            airflow.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-
-    run = airflow.api("POST", "/api/v2/dags/batch_inference/dagRuns", {
-        "logical_date": None,
-        "conf": {"input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
-                 "model": SERVED_NAME, "requests_per_shard": 5},
-    }, token)
+    run = trigger_and_wait(airflow, "batch_inference", {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
+        "model": SERVED_NAME, "requests_per_shard": 5,
+    }, timeout_s=300)
+    assert run["state"] == "success", f"run ended {run['state']}"
     run_id = run["dag_run_id"]
-
-    deadline = time.monotonic() + 300
-    state = run["state"]
-    while state not in ("success", "failed") and time.monotonic() < deadline:
-        time.sleep(2)
-        state = airflow.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}", token=token)["state"]
-    assert state == "success", f"run ended {state}"
+    token = airflow.token()
 
     # The merge task's XCom carries the batch object for API clients.
     xcom = airflow.api(
