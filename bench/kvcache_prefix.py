@@ -2,7 +2,8 @@
 
 All in one run, same prompts, one server at a time, every server pinned to the same CPU
 threads (VLLM_CPU_OMP_THREADS_BIND). For each condition: send each prompt once (stores /
-warms), then again (the measured hit). Time = wall time of a 1-token completion (TTFT).
+warms), then ``--hits`` more rounds of all prompts (the measured hits; the median over
+prompts x rounds). Time = wall time of a 1-token completion (TTFT).
 
 Conditions:
   cold             no connector, prefix caching off (first sends)
@@ -44,16 +45,21 @@ def ttft(server: LocalServer, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, cached_tokens(r)
 
 
-def measure(server: LocalServer, ps: list[list[int]], evict: list[list[int]] | None = None) -> dict:
+def measure(
+    server: LocalServer, ps: list[list[int]], hits: int, evict: list[list[int]] | None = None
+) -> dict:
     first = [ttft(server, p) for p in ps]
-    if evict:
-        for p in evict:
-            ttft(server, p)
-    time.sleep(1.0)  # let write-behind to L2 finish
-    second = [ttft(server, p) for p in ps]
+    second: list[tuple[float, int]] = []
+    for _ in range(hits):
+        if evict:  # push the prompts out of L1, so that the hit is served by L2
+            for p in evict:
+                ttft(server, p)
+        time.sleep(1.0)  # let write-behind to L2 finish
+        second += [ttft(server, p) for p in ps]
     return {
         "first_s": statistics.median(t for t, _ in first),
         "hit_s": statistics.median(t for t, _ in second),
+        "hit_spread_s": (min(t for t, _ in second), max(t for t, _ in second)),
         "cached": min(c for _, c in second),
     }
 
@@ -63,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(REPO / ".work/models/bench-llama"))
     ap.add_argument("--tokens", type=int, default=1600)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--hits", type=int, default=5, help="measured rounds of repeats (median over all)")
     ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for every server")
     ap.add_argument("--only", default="", help="comma-separated subset of conditions")
     args = ap.parse_args(argv)
@@ -112,15 +119,17 @@ def main(argv: list[str] | None = None) -> int:
                                  threads_bind=args.bind, log_path=tmp / f"{name}.log")  # fmt: skip
             with server:
                 ttft(server, prompts(1, 64, seed=1)[0])  # warm-up
-                results[name] = measure(server, ps, ev)
+                results[name] = measure(server, ps, args.hits, ev)
             r = results[name]
-            print(f"{name:14} first {r['first_s']:.3f} s   repeat {r['hit_s']:.3f} s   cached {r['cached']}",
-                  flush=True)  # fmt: skip
+            lo, hi = r["hit_spread_s"]
+            print(f"{name:14} first {r['first_s']:.3f} s   repeat {r['hit_s']:.3f} s "
+                  f"(min {lo:.3f}, max {hi:.3f})   cached {r['cached']}", flush=True)  # fmt: skip
     finally:
         redis_proc.terminate()
         redis_proc.wait()
         shutil.rmtree(tmp / "example", ignore_errors=True)
-    print(f"\n{args.prompts} prompts x {args.tokens} tokens, model {args.model}, bind {args.bind}")
+    print(f"\n{args.prompts} prompts x {args.tokens} tokens, {args.hits} hit rounds, model {args.model}, "
+          f"bind {args.bind}")  # fmt: skip
     cold = results.get("cold", {}).get("first_s")
     for name, r in results.items():
         t = r["first_s"] if name == "cold" else r["hit_s"]

@@ -130,7 +130,7 @@ class CudaCopier(HostCopier):
             dev = kv.index_select(layout.block_dim, ids)
             if layout.block_dim:
                 dev = dev.movedim(layout.block_dim, 0)
-            host.copy_(dev, non_blocking=True)
+            host.copy_(dev.contiguous(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.save_stream)
         return done
