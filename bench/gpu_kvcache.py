@@ -141,7 +141,7 @@ def run(preset: str, device_name: str, steps: int) -> dict[str, float]:
     )
     for mode in ("sync", "pipelined"):
         settings = KVCacheSettings.from_extra(
-            {"mode": mode, "l1_capacity_bytes": 4 * kv_bytes + (1 << 20), "l1_checksum": False,
+            {"mode": mode, "l1_capacity_bytes": 4 * kv_bytes + (1 << 20),
              "chunk_tokens": chunk_blocks * s.block, "io_threads": 2}
         )  # fmt: skip
         worker = KVCacheWorker(settings, "gpubench", 0, None)

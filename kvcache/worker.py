@@ -437,6 +437,12 @@ class KVCacheWorker:
         if self.cuda:
             for ev in step.events:
                 self.copier.wait_host(ev)
+            # Copied by DMA: check values from the host copies, now complete (one batched
+            # sampling op per layer and run of slots).
+            held = {idx: slot for idx, slot in enumerate(step.slots) if slot is not None}
+            for layer in range(len(self.kv)):
+                for idx, value in zip(held, self._layer_sums(layer, list(held.values())), strict=True):
+                    step.sums[idx][layer] = value
         stored: set[str] = set()
         tokens = 0
         full = self.settings.l1_checksum == "full"
@@ -450,8 +456,6 @@ class KVCacheWorker:
             layers = [step.target(idx, layer) for layer in range(len(self.kv))]
             if slot is not None:
                 sums = step.sums[idx]
-                if self.cuda:  # copied by DMA: check values from the host copy, now complete
-                    sums = [self._layer_sums(layer, [slot])[0] for layer in range(len(layers))]
                 if self.writer is not None:
                     for _ in layers:  # queued L2 writes read the slot: hold it for them
                         self.slab.ref(slot)
