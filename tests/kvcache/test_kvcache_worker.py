@@ -208,4 +208,7 @@ def test_no_free_slot_still_writes_l2(tmp_path) -> None:
     assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("b", [(0, 7)])], chunk_tokens=BS)) == set()
     assert all(torch.equal(t[7], t[2]) for t in kv.values())
     assert w.chunk_key("b") in w.l1
+    # The promoted copy passes the L1 checks on the next hit.
+    assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("b", [(0, 8)])], chunk_tokens=BS)) == set()
+    assert all(torch.equal(t[8], t[2]) for t in kv.values())
     w.shutdown()
