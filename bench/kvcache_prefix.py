@@ -13,6 +13,9 @@ Conditions:
   ours_l2_redis    KVCacheConnector pipelined, L1 too small: hit served by Redis
   ours_sync_l1     KVCacheConnector in sync mode, L1 hit (pipelined-vs-sync comparison)
 Also the cold (storing) TTFT with each of our modes, which is where layer-wise save shows.
+With ``--before-module M`` (e.g. ``kvcache_old.connector``, an older revision of the
+package importable under another name via PYTHONPATH) the run adds ``before_l1`` and
+``before_sync_l1``: the same two conditions with that connector, for a same-run before/after.
 
     .venv-inference/bin/python bench/kvcache_prefix.py --model .work/models/bench-llama
 """
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hits", type=int, default=5, help="measured rounds of repeats (median over all)")
     ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for every server")
     ap.add_argument("--only", default="", help="comma-separated subset of conditions")
+    ap.add_argument("--before-module", default="", help="connector module of an older revision to compare")
     args = ap.parse_args(argv)
     ps = prompts(args.prompts, args.tokens)
     evict = prompts(3, args.tokens, seed=99)
@@ -109,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "ours_sync_l1": (kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": "sync"}), False, None),
     }  # fmt: skip
+    if args.before_module:
+        for name, mode in (("before_l1", "pipelined"), ("before_sync_l1", "sync")):
+            kv = kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": mode})
+            kv["kv_connector_module_path"] = args.before_module
+            conds[name] = (kv, False, None)
     only = set(filter(None, args.only.split(",")))
     results: dict[str, dict] = {}
     try:
@@ -149,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             s, p = results["ours_sync_l1"], results["ours_l1"]
             print(f"  pipelined vs sync: hit TTFT {s['hit_s'] / p['hit_s']:.2f}x, "
                   f"storing TTFT {s['first_s'] / p['first_s']:.2f}x (>1 = pipelined faster)")  # fmt: skip
+    for before, after in (("before_l1", "ours_l1"), ("before_sync_l1", "ours_sync_l1")):
+        if before in results and after in results:
+            b, a = results[before], results[after]
+            print(f"  {after} vs {before}: hit {b['hit_s']:.3f} -> {a['hit_s']:.3f} s, "
+                  f"storing {b['first_s']:.3f} -> {a['first_s']:.3f} s")  # fmt: skip
+    if "before_l1" in results and "before_sync_l1" in results:
+        s, p = results["before_sync_l1"], results["before_l1"]
+        print(f"  before: pipelined vs sync: hit TTFT {s['hit_s'] / p['hit_s']:.2f}x, "
+              f"storing TTFT {s['first_s'] / p['first_s']:.2f}x")  # fmt: skip
     return 0
 
 
