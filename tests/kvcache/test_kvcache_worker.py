@@ -176,11 +176,14 @@ def test_cpu_pipelined_l1_path_uses_no_threads() -> None:
     w.shutdown()
 
 
-def test_slots_are_never_leaked(tmp_path) -> None:
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_slots_are_never_leaked(eviction: str, tmp_path) -> None:
     """Every slot in use belongs to L1 once writes and loads are done, through saves,
     loads, evictions, failed loads and L2 write-behind."""
     one_chunk = LAYERS * HEADS * BS * DIM2 * 4
-    w, kv = _worker({"l1_capacity_bytes": 4 * one_chunk}, FilesystemStore(str(tmp_path)))
+    w, kv = _worker(
+        {"l1_capacity_bytes": 4 * one_chunk, "l1_eviction": eviction}, FilesystemStore(str(tmp_path))
+    )
     _fill(kv, list(range(BLOCKS)))
     for i in range(10):
         _step(w, KVCacheStepMetadata(saves=[ChunkTransfer(f"h{i}", [(0, i)], f"r{i}")], chunk_tokens=BS))
