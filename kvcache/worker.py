@@ -414,6 +414,8 @@ class KVCacheWorker:
         kv = self.kv[layer]
         if self.cuda:
             for idx, item in enumerate(step.items):
+                if not step.copied[idx]:
+                    continue
                 dst = step.target(idx, layer).narrow(0, 0, len(item.blocks))
                 step.events[layer] = self.copier.gather_async(  # type: ignore[attr-defined]
                     kv, self.layout, [b for _, b in item.blocks], ready, dst
@@ -422,6 +424,8 @@ class KVCacheWorker:
         moves: list[Move] = []
         for idx, item in enumerate(step.items):
             slot = step.slots[idx]
+            if not step.copied[idx]:
+                continue
             if slot is not None:
                 base, row0 = self.slab.rows(slot, layer)
             else:
@@ -448,7 +452,7 @@ class KVCacheWorker:
         full = self.settings.l1_checksum == "full"
         for idx, item in enumerate(step.items):
             slot = step.slots[idx]
-            if item.req_id in failed_reqs:
+            if item.req_id in failed_reqs or not step.copied[idx]:
                 if slot is not None:
                     self.slab.unref(slot)
                 continue
@@ -529,15 +533,18 @@ class _StepSave:
         for item in items:
             slot = worker._alloc_slot(worker.chunk_key(item.chunk_hash))
             self.slots.append(slot)
-            self.spill.append(
-                None
-                if slot is not None
-                else torch.empty(
+            spill = None
+            if slot is None and worker.writer is not None:
+                spill = torch.empty(
                     (n_layers, *worker.layout.chunk_shape(worker.chunk_blocks)),
                     dtype=worker.layout.dtype,
                     pin_memory=worker.copier.pinned,
                 )
-            )
+            self.spill.append(spill)
+        # Chunks with neither a slot nor an L2 to write to are not copied at all.
+        self.copied = [
+            slot is not None or sp is not None for slot, sp in zip(self.slots, self.spill, strict=True)
+        ]
         self.sums: list[list[int | None]] = [[None] * n_layers for _ in items]
         self.futures: list[Future | None] = [None] * n_layers
         self.events: list[object] = [None] * n_layers

@@ -215,3 +215,17 @@ def test_no_free_slot_still_writes_l2(tmp_path) -> None:
     assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("b", [(0, 8)])], chunk_tokens=BS)) == set()
     assert all(torch.equal(t[8], t[2]) for t in kv.values())
     w.shutdown()
+
+
+def test_no_free_slot_and_no_l2_skips_the_save() -> None:
+    one_chunk = LAYERS * HEADS * BS * DIM2 * 4
+    w, kv = _worker({"l1_capacity_bytes": one_chunk})
+    _fill(kv, [1, 2])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)])], chunk_tokens=BS))
+    assert w.slab is not None
+    w.slab.ref(0)  # a reader still holds chunk a's slot
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("b", [(0, 2)])], chunk_tokens=BS))
+    assert len(w.l1) == 0 and w.take_stats() is not None
+    w.slab.unref(0)
+    assert w.slab.slots_in_use == 0
+    w.shutdown()
