@@ -43,8 +43,9 @@ PARAMS = {
         description="Base URL of the OpenAI-compatible server (vLLM or the P/D router).",
     ),
     "batch_endpoint": Param(
-        None, type=["null", "string"], enum=[None, *SUPPORTED_ENDPOINTS],
-        description="The batch's API endpoint; empty takes it from the first line's url.",
+        "auto", type="string", enum=["auto", *SUPPORTED_ENDPOINTS],
+        values_display={"auto": "auto: the first line's url"},
+        description="The batch's API endpoint; every line's url must match it.",
     ),
     "model": Param(
         None, type=["null", "string"],

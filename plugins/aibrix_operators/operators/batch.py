@@ -84,7 +84,7 @@ class ValidateBatchOperator(BaseOperator):
         )
         try:
             report, batch = validate_batch(
-                storage, self.input_uri, self.output_uri, self.batch_endpoint or None, limits,
+                storage, self.input_uri, self.output_uri, _endpoint_or_auto(self.batch_endpoint), limits,
                 self.completion_window, {str(k): str(v) for k, v in (self.metadata or {}).items()},
                 expected_model=self.expected_model or None,
             )
@@ -95,6 +95,11 @@ class ValidateBatchOperator(BaseOperator):
             raise AirflowFailException(report.summary())
         log.info("%s", report.summary())
         return batch.as_dict()
+
+
+def _endpoint_or_auto(value: str | None) -> str | None:
+    """``"auto"`` (the DAG form's default) or empty means: take it from the first line."""
+    return None if value in (None, "", "auto") else value
 
 
 class SplitBatchOperator(BaseOperator):
