@@ -535,11 +535,12 @@ class _StepSave:
             self.slots.append(slot)
             spill = None
             if slot is None and worker.writer is not None:
-                spill = torch.empty(
-                    (n_layers, *worker.layout.chunk_shape(worker.chunk_blocks)),
-                    dtype=worker.layout.dtype,
-                    pin_memory=worker.copier.pinned,
-                )
+                with torch.inference_mode(False):  # written by the save thread on CUDA
+                    spill = torch.empty(
+                        (n_layers, *worker.layout.chunk_shape(worker.chunk_blocks)),
+                        dtype=worker.layout.dtype,
+                        pin_memory=worker.copier.pinned,
+                    )
             self.spill.append(spill)
         # Chunks with neither a slot nor an L2 to write to are not copied at all.
         self.copied = [

@@ -102,12 +102,15 @@ class SlabPool:
         n = min(self.slots_per_segment, self.max_slots - have)
         if n <= 0:
             return
-        seg = torch.empty(
-            (self.n_layers, n * self.chunk_blocks, *self.block_shape),
-            dtype=self.dtype,
-            pin_memory=self.pin_memory,
-        )
-        self._layer_rows.append(list(seg.unbind(0)))
+        # Segments are first needed inside vLLM's forward (inference mode), but load
+        # threads write into them too: they must be normal tensors, not inference tensors.
+        with torch.inference_mode(False):
+            seg = torch.empty(
+                (self.n_layers, n * self.chunk_blocks, *self.block_shape),
+                dtype=self.dtype,
+                pin_memory=self.pin_memory,
+            )
+            self._layer_rows.append(list(seg.unbind(0)))
         self.segments.append(seg)
         self._refs.extend([0] * n)
         self._owner.extend([None] * n)

@@ -87,12 +87,14 @@ def test_second_process_loads_from_l2(backend: str, tmp_path, redis_server) -> N
 
     prod, kv_p = _worker({}, store())
     _fill(kv_p, [2, 3])
-    _step(prod, KVCacheStepMetadata(saves=[ChunkTransfer("c0", [(0, 2)]), ChunkTransfer("c1", [(0, 3)])],
-                                    chunk_tokens=BS))  # fmt: skip
+    with torch.inference_mode():  # as in vLLM's forward: L1 memory is first reserved here
+        _step(prod, KVCacheStepMetadata(saves=[ChunkTransfer("c0", [(0, 2)]), ChunkTransfer("c1", [(0, 3)])],
+                                        chunk_tokens=BS))  # fmt: skip
     assert prod.writer is not None and prod.writer.flush()
     cons, kv_c = _worker({}, store())
     loads = [ChunkTransfer("c0", [(0, 10)]), ChunkTransfer("c1", [(0, 11)])]
-    assert _step(cons, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == set()
+    with torch.inference_mode():  # load threads stage L2 records into L1 slots
+        assert _step(cons, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == set()
     for tp, tc in zip(kv_p.values(), kv_c.values(), strict=True):
         assert torch.equal(tc[10], tp[2]) and torch.equal(tc[11], tp[3])
     report = cons.take_report()
