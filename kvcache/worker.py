@@ -9,8 +9,10 @@ Pipelined mode (default):
   layers ahead); ``wait_for_layer`` waits for that one layer. On CUDA the copies run on a
   side stream from pinned memory and the compute stream waits on an event (the host does
   not block). On CPU there is no copy engine to overlap with and every thread competes
-  with compute for the same cores, so L1 copies run on the compute thread, just in time
-  for each layer; only L2 fetches (network or disk waits) go to background threads.
+  with compute for the same cores, so L1 copies run on the compute thread, all layers in
+  ``start_load`` (interleaving them with the layers' compute measured slower); only L2
+  fetches (network or disk waits) go to background threads, each layer's copy then runs
+  in ``wait_for_layer``.
 - ``save_layer`` copies that layer out right after it is computed (CUDA: queued on the
   save stream, the host returns at once; CPU: at once, while the layer's KV is still in
   cache); ``wait_for_save`` is the only barrier. Finished chunks go to L1 at once and to
