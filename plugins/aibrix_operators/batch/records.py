@@ -126,9 +126,6 @@ class BatchObject:
         return out
 
 
-COMPLETION_WINDOW_SECONDS = {"24h": 24 * 3600}
-
-
 def parse_completion_window(window: str) -> int:
     """``"24h"``/``"90m"``/``"3600s"`` → seconds; OpenAI accepts only ``24h``, we accept any."""
     units = {"h": 3600, "m": 60, "s": 1}

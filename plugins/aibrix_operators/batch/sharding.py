@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from aibrix_operators.batch.validation import UTF8_BOM, ValidationReport
+from aibrix_operators.batch.validation import ValidationReport
 from aibrix_operators.storage import Storage, join_uri
 
 DEFAULT_SHARD_REQUESTS = 5_000
@@ -108,8 +108,6 @@ def split_file(
             for line_no, line in enumerate(src, start=1):
                 if line_no > last_line:
                     break  # only trailing blank lines remain
-                if line_no == 1 and line.startswith(UTF8_BOM):
-                    line = line[len(UTF8_BOM):]
                 if not line.endswith(b"\n"):
                     line += b"\n"
                 size = len(line)

@@ -21,11 +21,6 @@ from aibrix_operators.batch.records import (
     SUPPORTED_ENDPOINTS,
 )
 
-try:  # the same parser as jsonfast.loads, minus a wrapper call per line
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover
-    _loads = loads
-
 UTF8_BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
 
@@ -243,7 +238,7 @@ def _flush_blank(blank_lines: list[int], err: _Collector) -> None:
 
 def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) -> Any:
     try:
-        return _loads(raw)
+        return loads(raw)
     except ValueError as exc:
         try:
             raw.decode("utf-8")
