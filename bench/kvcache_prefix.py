@@ -1,21 +1,33 @@
 """Repeated-prefix TTFT on vLLM CPU: cold vs vLLM prefix cache vs ExampleConnector vs ours.
 
-All in one run, same prompts, one server at a time, every server pinned to the same CPU
-threads (VLLM_CPU_OMP_THREADS_BIND). For each condition: send each prompt once (stores /
-warms), then ``--hits`` more rounds of all prompts (the measured hits; the median over
-prompts x rounds). Time = wall time of a 1-token completion (TTFT).
+All in one run, on the same prompts, with every server's worker pinned to the same CPU
+threads (VLLM_CPU_OMP_THREADS_BIND). Time = wall time of a 1-token completion (TTFT).
+
+How the noise of a shared 2-core VM is kept out of the comparison: the speed of the one
+pinned core drifts by 20-40% over minutes (other tenants, frequency), which is larger
+than the differences being measured. So every condition's server runs at the same time
+(idle servers use ~1% CPU), and requests go out one at a time, round-robin over the
+servers: the samples of one prompt in one round are seconds apart for every condition.
+Between two requests the bench waits ``--settle`` seconds: after a step, a vLLM worker
+keeps spinning on its shared-memory queue for 1 s (vLLM's ``SpinCondition``), and a
+spinning idle worker pinned to the same core would halve the next server's compute.
+A comparison is then the median of the *paired* ratios (same prompt, same round), with
+a bootstrap 90% interval over the pairs, next to the plain medians.
 
 Conditions:
-  cold             no connector, prefix caching off (first sends)
+  cold             no connector, prefix caching off (every request recomputes)
   prefix_cache     vLLM's own prefix cache, no connector
   example_conn     vLLM's ExampleConnector (safetensors files on disk)
   ours_l1          KVCacheConnector pipelined, L1 hit
-  ours_l2_redis    KVCacheConnector pipelined, L1 too small: hit served by Redis
   ours_sync_l1     KVCacheConnector in sync mode, L1 hit (pipelined-vs-sync comparison)
-Also the cold (storing) TTFT with each of our modes, which is where layer-wise save shows.
-With ``--before-module M`` (e.g. ``kvcache_old.connector``, an older revision of the
-package importable under another name via PYTHONPATH) the run adds ``before_l1`` and
-``before_sync_l1``: the same two conditions with that connector, for a same-run before/after.
+  ours_l2_redis    KVCacheConnector pipelined, L1 too small: hit served by Redis
+The first send of each prompt to a connector server stores it: that "storing" TTFT is
+where layer-wise save shows. With ``--before-module M`` (e.g. ``kvcache_old.connector``,
+an older revision importable under another name via PYTHONPATH) the run adds
+``before_l1`` and ``before_sync_l1``, the same two conditions with that connector.
+``NAME#2`` in ``--only`` adds a second server of condition NAME (an A/A control: how far
+apart two servers of the same configuration land). Our servers also report the
+connector's own load time per hit (``kvcache_load_seconds``, scraped from the worker).
 
     .venv-inference/bin/python bench/kvcache_prefix.py --model .work/models/bench-llama
 """
@@ -23,18 +35,27 @@ package importable under another name via PYTHONPATH) the run adds ``before_l1``
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcache.launch import REPO, LocalServer, cached_tokens, free_port, kv_transfer_config  # noqa: E402
+
+# Bench model: 12 chunks x 4 MiB = 48 MiB per 1,600-token prompt; this L1 holds one prompt,
+# so that three other prompts push the measured ones out to Redis.
+ONE_PROMPT_L1_BYTES = 64 << 20
 
 
 def prompts(n: int, length: int, seed: int = 7) -> list[list[int]]:
@@ -48,23 +69,196 @@ def ttft(server: LocalServer, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, cached_tokens(r)
 
 
-def measure(
-    server: LocalServer, ps: list[list[int]], hits: int, evict: list[list[int]] | None = None
-) -> dict:
-    first = [ttft(server, p) for p in ps]
-    second: list[tuple[float, int]] = []
-    for _ in range(hits):
-        if evict:  # push the prompts out of L1, so that the hit is served by L2
-            for p in evict:
-                ttft(server, p)
-        time.sleep(1.0)  # let write-behind to L2 finish
-        second += [ttft(server, p) for p in ps]
-    return {
-        "first_s": statistics.median(t for t, _ in first),
-        "hit_s": statistics.median(t for t, _ in second),
-        "hit_spread_s": (min(t for t, _ in second), max(t for t, _ in second)),
-        "cached": min(c for _, c in second),
+def conditions(tmp: Path, redis_url: str, before_module: str) -> dict[str, dict | None]:
+    """name -> kv-transfer-config (None: no connector). prefix_cache is the only one with
+    vLLM's prefix cache on."""
+    conds: dict[str, dict | None] = {
+        "cold": None,
+        "prefix_cache": None,
+        "example_conn": {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")},
+        },
+        "ours_l1": kv_transfer_config({"l1_capacity_bytes": 2 << 30}),
+        "ours_sync_l1": kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": "sync"}),
+        "ours_l2_redis": kv_transfer_config(
+            {"l1_capacity_bytes": ONE_PROMPT_L1_BYTES, "l2_backend": "redis", "l2_redis_url": redis_url}
+        ),
     }
+    if before_module:
+        for name, mode in (("before_l1", "pipelined"), ("before_sync_l1", "sync")):
+            kv = kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": mode})
+            kv["kv_connector_module_path"] = before_module
+            conds[name] = kv
+    return conds
+
+
+def paired_ratio(num: list[float], den: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """Median of num[i]/den[i] and a bootstrap 90% interval of that median."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return statistics.median(ratios), boots[len(boots) // 20], boots[-len(boots) // 20 - 1]
+
+
+def run(args: argparse.Namespace, run_idx: int) -> dict:
+    """One set of servers: hits round-robin, then misses (fresh prompts) round-robin."""
+    ps = prompts(args.prompts, args.tokens)
+    evict = prompts(3, args.tokens, seed=99)
+    tmp = Path(tempfile.mkdtemp(prefix="kvbench-", dir=REPO / ".work"))
+    redis_port = free_port()
+    conds = conditions(tmp, f"redis://127.0.0.1:{redis_port}/0", args.before_module)
+    only = [c for c in args.only.split(",") if c] or list(conds)
+    unknown = sorted({c.split("#")[0] for c in only} - set(conds))
+    if unknown:
+        raise SystemExit(f"unknown condition(s) {unknown}; known: {sorted(conds)}")
+    first: dict[str, list[float]] = {c: [] for c in only}
+    hits: dict[str, list[float]] = {c: [] for c in only}
+    cached: dict[str, int] = {}
+    connector: dict[str, dict[str, float]] = {}
+    with ExitStack() as stack:
+        redis = subprocess.Popen(
+            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+        )
+        stack.callback(redis.wait)
+        stack.callback(redis.terminate)
+        stack.callback(shutil.rmtree, tmp / "example", True)
+        servers: dict[str, LocalServer] = {}
+        metrics_ports: dict[str, int] = {}
+        for name in only:  # one at a time: a starting server takes every core
+            base = name.split("#")[0]
+            kv = copy.deepcopy(conds[base])
+            if kv is not None and kv["kv_connector"] == "KVCacheConnector":
+                metrics_ports[name] = kv["kv_connector_extra_config"]["metrics_port"] = free_port()
+            server = LocalServer(
+                args.model,
+                kv_config=kv,
+                prefix_caching=base == "prefix_cache",
+                threads_bind=args.bind,
+                log_path=tmp / f"{name}.log",
+            )
+            servers[name] = stack.enter_context(server)
+            ttft(server, prompts(1, 64, seed=1)[0])  # warm-up
+            print(f"started {name}", flush=True)
+        for p in ps:  # first sends: cold, or storing for the caches
+            for name, server in servers.items():
+                time.sleep(args.settle)
+                first[name].append(ttft(server, p)[0])
+        for rnd in range(args.rounds):
+            if "ours_l2_redis" in servers:  # push the prompts out of L1: the hit is Redis's
+                for p in evict:
+                    ttft(servers["ours_l2_redis"], p)
+            order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
+            for p in ps:
+                for name in order:
+                    if name == "cold" and rnd >= args.cold_rounds:
+                        continue
+                    time.sleep(args.settle)
+                    t, c = ttft(servers[name], p)
+                    hits[name].append(t)
+                    cached[name] = min(cached.get(name, c), c)
+            print(f"run {run_idx + 1}: round {rnd + 1}/{args.rounds} done", flush=True)
+        # Misses last, so that they cannot push the measured prompts out of any cache.
+        for rnd in range(args.miss_rounds):
+            fresh = prompts(1, args.tokens, seed=1000 * (run_idx + 1) + rnd)[0]
+            order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
+            for name in order:
+                time.sleep(args.settle)
+                first[name].append(ttft(servers[name], fresh)[0])
+        for name, port in metrics_ports.items():
+            connector[name] = scrape_connector_times(port)
+    if "cold" in hits:
+        hits["cold"] = first["cold"] + hits["cold"]
+    return {"first": first, "hits": hits, "cached": cached, "connector": connector}
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """Concatenate the runs' samples (pairs stay aligned: every run adds the same number of
+    samples per condition); connector times are averaged over runs."""
+    out: dict = {"first": {}, "hits": {}, "cached": {}, "connector": {}, "per_run": runs}
+    for r in runs:
+        for key in ("first", "hits"):
+            for name, ts in r[key].items():
+                out[key].setdefault(name, []).extend(ts)
+        for name, c in r["cached"].items():
+            out["cached"][name] = min(out["cached"].get(name, c), c)
+    for name in runs[0]["connector"]:
+        per = [r["connector"][name] for r in runs]
+        out["connector"][name] = {k: statistics.fmean(d[k] for d in per) for k in per[0]}
+    return out
+
+
+def scrape_connector_times(port: int) -> dict[str, float]:
+    """The connector's mean compute-thread time per step with loads / with saves."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for metric in ("kvcache_load_seconds", "kvcache_save_seconds"):
+        total = re.search(rf"^{metric}_sum ([0-9.e+-]+)$", text, re.M)
+        count = re.search(rf"^{metric}_count ([0-9.e+-]+)$", text, re.M)
+        n = float(count.group(1)) if count else 0.0
+        values[metric] = float(total.group(1)) / n if total and n else 0.0
+    return values
+
+
+def report(res: dict, args: argparse.Namespace) -> dict:
+    first, hits = res["first"], res["hits"]
+    summary: dict = {"conditions": {}, "ratios": {}}
+    cold = statistics.median(hits["cold"]) if hits.get("cold") else None
+    print(f"\n{args.prompts} prompts x {args.tokens} tokens, {args.runs} run(s) x {args.rounds} rounds, "
+          f"model {args.model}, worker bind {args.bind}")  # fmt: skip
+    print("hit TTFT median (p25-p75) | miss TTFT (first sends: cold/storing) | connector time per step")
+    for name, ts in hits.items():
+        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+        row = {
+            "ttft_s": statistics.median(ts),
+            "p25_s": q[0],
+            "p75_s": q[2],
+            "n": len(ts),
+            "miss_s": statistics.median(first[name]),
+            "cached_tokens": res["cached"].get(name, 0),
+        }
+        summary["conditions"][name] = row
+        line = f"  {name:14} {row['ttft_s']:6.3f} s ({q[0]:.3f}-{q[2]:.3f}, n={len(ts)})"
+        if name != "cold":
+            line += f" cached {row['cached_tokens']}"
+            if cold:
+                line += f" {cold / row['ttft_s']:4.1f}x cold"
+        line += f" | miss {row['miss_s']:.3f} s (n={len(first[name])})"
+        conn = res["connector"].get(name)
+        if conn:
+            row["connector_load_ms"] = 1000 * conn["kvcache_load_seconds"]
+            row["connector_save_ms"] = 1000 * conn["kvcache_save_seconds"]
+            line += f" | load {row['connector_load_ms']:.1f} ms, save {row['connector_save_ms']:.1f} ms"
+        print(line)
+
+    def compare(label: str, samples: dict[str, list[float]], num: str, den: str, target: str) -> None:
+        if num not in samples or den not in samples or len(samples[num]) != len(samples[den]):
+            return
+        med, lo, hi = paired_ratio(samples[num], samples[den])
+        per_run = []
+        for r in res["per_run"]:
+            src = r["first"] if samples is first else r["hits"]
+            per_run.append(paired_ratio(src[num], src[den])[0])
+        summary["ratios"][label] = {"median": med, "ci90": [lo, hi], "per_run": per_run}
+        runs = "  runs: " + " ".join(f"{x:.3f}" for x in per_run) if len(per_run) > 1 else ""
+        print(f"  {label:30} {med:.3f} (90% CI {lo:.3f}-{hi:.3f}) {target}{runs}")
+
+    print("paired ratios (same prompt, same round; bootstrap 90% interval of the median):")
+    compare("hit ours_l1 / prefix_cache", hits, "ours_l1", "prefix_cache", "target <= 1.25")
+    compare("hit ours_l1 / example_conn", hits, "ours_l1", "example_conn", "target < 1")
+    compare("hit ours_sync_l1 / example_conn", hits, "ours_sync_l1", "example_conn", "")
+    compare("hit sync / pipelined", hits, "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
+    compare("hit ours_l1 / before_l1", hits, "ours_l1", "before_l1", "< 1: faster than before")
+    for name in hits:  # A/A controls
+        if "#" in name:
+            compare(f"hit {name} / {name.split('#')[0]}", hits, name, name.split("#")[0], "A/A: ~1")
+    compare("miss sync / pipelined", first, "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
+    for name in ("example_conn", "ours_l1", "ours_sync_l1", "ours_l2_redis"):
+        compare(f"miss {name} / cold", first, name, "cold", "store overhead")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,101 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(REPO / ".work/models/bench-llama"))
     ap.add_argument("--tokens", type=int, default=1600)
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--hits", type=int, default=5, help="measured rounds of repeats (median over all)")
+    ap.add_argument("--rounds", type=int, default=10, help="measured rounds of all prompts on every server")
+    ap.add_argument("--cold-rounds", type=int, default=1, help="rounds that also re-send to the cold server")
+    ap.add_argument("--miss-rounds", type=int, default=5, help="fresh prompts to every server (misses)")
+    ap.add_argument("--runs", type=int, default=1, help="fresh sets of servers; samples are pooled")
+    ap.add_argument("--settle", type=float, default=1.5, help="idle seconds before each request (> 1)")
     ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for every server")
     ap.add_argument("--only", default="", help="comma-separated subset of conditions")
     ap.add_argument("--before-module", default="", help="connector module of an older revision to compare")
+    ap.add_argument("--json", default="", help="also write samples and summary to this file")
     args = ap.parse_args(argv)
-    ps = prompts(args.prompts, args.tokens)
-    evict = prompts(3, args.tokens, seed=99)
-    tmp = Path(tempfile.mkdtemp(prefix="kvbench-", dir=REPO / ".work"))
-    redis_port = free_port()
-    redis_proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    one_prompt_bytes = 64 << 20  # bench model: 12 chunks x 4 MiB = 48 MiB per 1600-token prompt
-    conds: dict[str, tuple[dict | None, bool, list | None]] = {
-        "cold": (None, False, None),
-        "prefix_cache": (None, True, None),
-        "example_conn": (
-            {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}},
-            False, None,
-        ),
-        "ours_l1": (kv_transfer_config({"l1_capacity_bytes": 2 << 30}), False, None),
-        "ours_l2_redis": (
-            kv_transfer_config({"l1_capacity_bytes": one_prompt_bytes, "l2_backend": "redis",
-                                "l2_redis_url": redis_url}),
-            False, evict,
-        ),
-        "ours_sync_l1": (kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": "sync"}), False, None),
-    }  # fmt: skip
-    if args.before_module:
-        for name, mode in (("before_l1", "pipelined"), ("before_sync_l1", "sync")):
-            kv = kv_transfer_config({"l1_capacity_bytes": 2 << 30, "mode": mode})
-            kv["kv_connector_module_path"] = args.before_module
-            conds[name] = (kv, False, None)
-    only = set(filter(None, args.only.split(",")))
-    results: dict[str, dict] = {}
-    try:
-        for name, (kv, prefix, ev) in conds.items():
-            if only and name not in only:
-                continue
-            server = LocalServer(args.model, kv_config=kv, prefix_caching=prefix, max_model_len=4096,
-                                 threads_bind=args.bind, log_path=tmp / f"{name}.log")  # fmt: skip
-            with server:
-                ttft(server, prompts(1, 64, seed=1)[0])  # warm-up
-                results[name] = measure(server, ps, args.hits, ev)
-            r = results[name]
-            lo, hi = r["hit_spread_s"]
-            print(f"{name:14} first {r['first_s']:.3f} s   repeat {r['hit_s']:.3f} s "
-                  f"(min {lo:.3f}, max {hi:.3f})   cached {r['cached']}", flush=True)  # fmt: skip
-    finally:
-        redis_proc.terminate()
-        redis_proc.wait()
-        shutil.rmtree(tmp / "example", ignore_errors=True)
-    print(f"\n{args.prompts} prompts x {args.tokens} tokens, {args.hits} hit rounds, model {args.model}, "
-          f"bind {args.bind}")  # fmt: skip
-    cold = results.get("cold", {}).get("first_s")
-    for name, r in results.items():
-        t = r["first_s"] if name == "cold" else r["hit_s"]
-        line = f"  {name:14} {t:7.3f} s"
-        if cold:
-            line += f"   {cold / t:6.1f}x faster than cold"
-        print(line)
-    if "ours_l1" in results:
-        ours = results["ours_l1"]["hit_s"]
-        if "prefix_cache" in results:
-            print(
-                f"  ours_l1 / prefix_cache = {ours / results['prefix_cache']['hit_s']:.2f} (target <= 1.25)"
-            )
-        if "example_conn" in results:
-            print(f"  ours_l1 / example_conn = {ours / results['example_conn']['hit_s']:.2f} (target < 1)")
-        if "ours_sync_l1" in results:
-            s, p = results["ours_sync_l1"], results["ours_l1"]
-            print(f"  pipelined vs sync: hit TTFT {s['hit_s'] / p['hit_s']:.2f}x, "
-                  f"storing TTFT {s['first_s'] / p['first_s']:.2f}x (>1 = pipelined faster)")  # fmt: skip
-    for before, after in (("before_l1", "ours_l1"), ("before_sync_l1", "ours_sync_l1")):
-        if before in results and after in results:
-            b, a = results[before], results[after]
-            print(f"  {after} vs {before}: hit {b['hit_s']:.3f} -> {a['hit_s']:.3f} s, "
-                  f"storing {b['first_s']:.3f} -> {a['first_s']:.3f} s")  # fmt: skip
-    if "before_l1" in results and "before_sync_l1" in results:
-        s, p = results["before_sync_l1"], results["before_l1"]
-        print(f"  before: pipelined vs sync: hit TTFT {s['hit_s'] / p['hit_s']:.2f}x, "
-              f"storing TTFT {s['first_s'] / p['first_s']:.2f}x")  # fmt: skip
+    res = merge_runs([run(args, i) for i in range(args.runs)])
+    summary = report(res, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), **res, **summary}, indent=1))
     return 0
 
 

@@ -34,9 +34,18 @@ EVICTIONS = Counter("kvcache_evictions", "Chunks evicted", ["tier"])
 INTEGRITY_FAILURES = Counter("kvcache_integrity_failures", "Loaded records failing key/layout/checksum")
 L2_ERRORS = Counter("kvcache_l2_errors", "L2 operations that failed (tier unreachable)", ["op"])
 L2_DROPPED = Counter("kvcache_l2_writes_dropped", "L2 writes dropped because the queue was full")
-LOAD_SECONDS = Histogram("kvcache_load_seconds", "Per-step load time (all layers)", buckets=_LAT_BUCKETS)
+# Both are the forward's cost: time the compute thread spends in the connector's hooks for
+# one step's loads / saves (not the wall time from issue to completion, which on a GPU
+# overlaps compute).
+LOAD_SECONDS = Histogram(
+    "kvcache_load_seconds",
+    "Per step with loads: compute-thread time in start_load_kv, wait_for_layer_load and the load barrier",
+    buckets=_LAT_BUCKETS,
+)
 SAVE_SECONDS = Histogram(
-    "kvcache_save_wait_seconds", "Per-step time blocked in wait_for_save", buckets=_LAT_BUCKETS
+    "kvcache_save_seconds",
+    "Per step with saves: compute-thread time in save_kv_layer and wait_for_save",
+    buckets=_LAT_BUCKETS,
 )
 
 _served: set[int] = set()

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -86,3 +86,33 @@ def test_stub_answers_keep_alive_and_pipelined_requests() -> None:
         answer = json.loads(stub_mod.BODY)
         assert answer["object"] == "chat.completion" and answer["usage"]["total_tokens"] == 130
         assert stub_mod.ceiling(stub.port, requests=200, connections=4) > 0
+
+
+def test_kvcache_prefix_pairs_samples_and_pools_runs() -> None:
+    kp = _load("kvcache_prefix")
+    # Pipelined is 10% faster than sync in every pair, while the machine drifts 2x
+    # between rounds: the paired ratio sees the 10%, not the drift.
+    drift = [0.2, 0.4, 0.2, 0.4, 0.3]
+    pipelined = [d * 1.0 for d in drift]
+    sync = [d * 1.1 for d in drift]
+    med, lo, hi = kp.paired_ratio(sync, pipelined)
+    assert abs(med - 1.1) < 1e-9 and lo <= med <= hi and abs(hi - lo) < 1e-9
+
+    def one_run(scale: float) -> dict:
+        return {
+            "first": {"cold": [3.0, 3.0], "ours_l1": [3.1, 3.1], "ours_sync_l1": [3.3, 3.3]},
+            "hits": {"ours_l1": [0.2 * scale] * 3, "ours_sync_l1": [0.22 * scale] * 3},
+            "cached": {"ours_l1": 1536, "ours_sync_l1": 1408},
+            "connector": {"ours_l1": {"kvcache_load_seconds": 0.01 * scale, "kvcache_save_seconds": 0.0}},
+        }
+
+    merged = kp.merge_runs([one_run(1.0), one_run(2.0)])
+    assert merged["hits"]["ours_l1"] == [0.2] * 3 + [0.4] * 3
+    assert merged["cached"]["ours_sync_l1"] == 1408
+    assert abs(merged["connector"]["ours_l1"]["kvcache_load_seconds"] - 0.015) < 1e-12
+    args = SimpleNamespace(prompts=3, tokens=1600, runs=2, rounds=3, model="m", bind="0")
+    summary = kp.report(merged, args)
+    hit = summary["ratios"]["hit sync / pipelined"]
+    assert abs(hit["median"] - 1.1) < 1e-9 and [round(r, 6) for r in hit["per_run"]] == [1.1, 1.1]
+    assert abs(summary["ratios"]["miss ours_l1 / cold"]["median"] - 3.1 / 3.0) < 1e-9
+    assert summary["conditions"]["ours_l1"]["connector_load_ms"] == pytest.approx(15.0)
