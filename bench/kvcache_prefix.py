@@ -234,30 +234,29 @@ def report(res: dict, args: argparse.Namespace) -> dict:
             line += f" | load {row['connector_load_ms']:.1f} ms, save {row['connector_save_ms']:.1f} ms"
         print(line)
 
-    def compare(label: str, samples: dict[str, list[float]], num: str, den: str, target: str) -> None:
+    def compare(label: str, kind: str, num: str, den: str, target: str) -> None:
+        """Paired ratio of two conditions' ``kind`` samples ("hits" or "first": misses)."""
+        samples = res[kind]
         if num not in samples or den not in samples or len(samples[num]) != len(samples[den]):
             return
         med, lo, hi = paired_ratio(samples[num], samples[den])
-        per_run = []
-        for r in res["per_run"]:
-            src = r["first"] if samples is first else r["hits"]
-            per_run.append(paired_ratio(src[num], src[den])[0])
+        per_run = [paired_ratio(r[kind][num], r[kind][den])[0] for r in res["per_run"]]
         summary["ratios"][label] = {"median": med, "ci90": [lo, hi], "per_run": per_run}
         runs = "  runs: " + " ".join(f"{x:.3f}" for x in per_run) if len(per_run) > 1 else ""
         print(f"  {label:30} {med:.3f} (90% CI {lo:.3f}-{hi:.3f}) {target}{runs}")
 
     print("paired ratios (same prompt, same round; bootstrap 90% interval of the median):")
-    compare("hit ours_l1 / prefix_cache", hits, "ours_l1", "prefix_cache", "target <= 1.25")
-    compare("hit ours_l1 / example_conn", hits, "ours_l1", "example_conn", "target < 1")
-    compare("hit ours_sync_l1 / example_conn", hits, "ours_sync_l1", "example_conn", "")
-    compare("hit sync / pipelined", hits, "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
-    compare("hit ours_l1 / before_l1", hits, "ours_l1", "before_l1", "< 1: faster than before")
+    compare("hit ours_l1 / prefix_cache", "hits", "ours_l1", "prefix_cache", "target <= 1.25")
+    compare("hit ours_l1 / example_conn", "hits", "ours_l1", "example_conn", "target < 1")
+    compare("hit ours_sync_l1 / example_conn", "hits", "ours_sync_l1", "example_conn", "")
+    compare("hit sync / pipelined", "hits", "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
+    compare("hit ours_l1 / before_l1", "hits", "ours_l1", "before_l1", "< 1: faster than before")
     for name in hits:  # A/A controls
         if "#" in name:
-            compare(f"hit {name} / {name.split('#')[0]}", hits, name, name.split("#")[0], "A/A: ~1")
-    compare("miss sync / pipelined", first, "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
+            compare(f"hit {name} / {name.split('#')[0]}", "hits", name, name.split("#")[0], "A/A: ~1")
+    compare("miss sync / pipelined", "first", "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
     for name in ("example_conn", "ours_l1", "ours_sync_l1", "ours_l2_redis"):
-        compare(f"miss {name} / cold", first, name, "cold", "store overhead")
+        compare(f"miss {name} / cold", "first", name, "cold", "store overhead")
     return summary
 
 
