@@ -227,3 +227,85 @@ def test_several_errors_on_one_line_and_exception_carries_report(line):
     exc = BatchValidationError(report)
     assert exc.report is report
     assert "invalid_url" in str(exc)
+
+
+def test_a_run_of_blank_lines_is_one_error_with_its_extent(lines):
+    data = lines(1, "a") + b"\n" * 5 + b"  \n" + lines(1, "b") + b"\n" + lines(1, "c")
+    report = validate(data)
+    assert codes(report) == [(2, "blank_line"), (9, "blank_line")]
+    assert "6 blank lines (lines 2-7)" in report.errors[0].message
+    assert report.errors[1].message == "blank line between requests; remove it"
+    assert report.last_request_line == 10
+
+
+def test_blank_run_through_a_buffered_stream_keeps_line_numbers_and_byte_counts(lines, tmp_path):
+    # A real file is a BufferedReader, whose peek() lets a newline run be skipped in chunks.
+    data = lines(1, "a") + b"\n" * 3_000_000 + lines(1, "b", ) + b"\n" * 10
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    with open(path, "rb", buffering=1 << 20) as fh:
+        report = validate_stream(fh, None, ValidationLimits())
+    assert codes(report) == [(2, "blank_line")]
+    assert "3000000 blank lines (lines 2-3000001)" in report.errors[0].message
+    assert report.last_request_line == 3_000_002
+    assert report.total_bytes == len(data)
+    with open(path, "rb", buffering=1 << 20) as fh:
+        too_big = validate_stream(fh, None, ValidationLimits(max_file_bytes=1_000_000))
+    assert [(e.code, e.param) for e in too_big.errors] == [("file_too_large", "max_file_bytes")]
+    first_line = len(lines(1, "a"))
+    # The limit is crossed inside the run: the message names the exact line (one byte each).
+    assert f"exceeded at line {1_000_000 - first_line + 2}" in too_big.errors[0].message
+
+
+def test_echoed_values_are_cut(line):
+    huge = "G" * 100_000
+    data = line("a", method=huge) + line("b", url="/" + huge) + line("c", model="m" + huge)
+    report = validate(data)
+    assert codes(report) == [(1, "invalid_method"), (2, "invalid_url"), (3, "mismatched_model")]
+    for error in report.errors:
+        assert len(error.message) < 500, error.message[:600]
+    assert "(100000 characters)" in report.errors[0].message
+    assert len(report.summary()) < 2000
+
+
+def test_duplicate_ids_are_echoed_cut(line):
+    cid = "d" * 50_000
+    report = validate(line(cid) + line(cid))
+    assert codes(report) == [(2, "duplicate_custom_id")]
+    assert len(report.errors[0].message) < 500
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_nan_and_infinity_are_rejected_with_their_own_code(line, literal):
+    bad = line("x").replace(b'"messages"', b'"temperature": ' + literal + b', "messages"')
+    report = validate(line("a") + bad)
+    assert codes(report) == [(2, "invalid_number")]
+    assert "finite" in report.errors[0].message
+
+
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\udfff", b"\\ud83d tail"])
+def test_lone_surrogates_are_rejected_with_their_own_code(line, escape):
+    bad = line("x").replace(b'"hi"', b'"hi ' + escape + b'"')
+    report = validate(bad + line("b"))
+    assert codes(report) == [(1, "lone_surrogate")]
+
+
+def test_a_surrogate_pair_is_fine(line):
+    assert validate(line("x").replace(b'"hi"', b'"hi \\ud83d\\ude00"')).ok
+
+
+def test_invalid_json_message_is_bounded(lines):
+    data = lines(1) + b'{"custom_id": "' + b"q" * 300_000 + b'", oops}\n'
+    report = validate(data)
+    assert codes(report) == [(2, "invalid_json_line")]
+    assert len(report.errors[0].message) <= 1100
+
+
+def test_jsonfast_is_orjson():
+    import orjson
+
+    from aibrix_operators.batch import jsonfast
+
+    assert jsonfast.loads is orjson.loads and jsonfast.dumps is orjson.dumps
+    with pytest.raises(jsonfast.JSONDecodeError):
+        jsonfast.loads(b'{"a": NaN}')

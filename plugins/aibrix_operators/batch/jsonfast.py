@@ -1,27 +1,19 @@
-"""JSON encode/decode with orjson when it is installed, the stdlib otherwise.
+"""JSON encode/decode: orjson, a hard dependency (requirements.txt, the driver image).
 
 The validator and driver handle millions of lines; orjson is several times
-faster than ``json`` and rejects invalid UTF-8 on its own. The orjson functions
-are bound directly (no wrapper) because callers use them once per line.
+faster than ``json``. It is also stricter, and that is why there is no stdlib
+fallback: ``json`` accepts ``NaN``/``Infinity`` and lone ``\\ud800`` escapes that
+the driver then cannot send (orjson refuses to encode them), so a file that a
+fallback validated would crash the driver on every retry. The functions are
+bound directly (no wrapper) because callers use them once per line.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+import orjson
 
-try:
-    import orjson
+loads = orjson.loads
+dumps = orjson.dumps
+JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
-    loads = orjson.loads
-    dumps = orjson.dumps
-    JSONDecodeError: type[Exception] = orjson.JSONDecodeError
-except ImportError:  # pragma: no cover - exercised only where orjson is absent
-
-    def loads(data: bytes | str) -> Any:
-        return json.loads(data)
-
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-    JSONDecodeError = ValueError
+__all__ = ["JSONDecodeError", "dumps", "loads"]

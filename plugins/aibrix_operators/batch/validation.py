@@ -4,6 +4,12 @@ The file is read line by line and never held whole; the only state that grows
 with the file is 12 bytes per request (a 64-bit hash of its ``custom_id`` and
 its line number), used to find duplicate ids at the end. Errors are reported
 like OpenAI's batch ``errors`` object: line number, code, message, param.
+
+The input is hostile until proven otherwise, so what it can make us keep is
+bounded too: a run of blank lines is a counter, not a list; a user value echoed
+in a message is cut to ``MAX_ECHO_CHARS``; every message to ``MAX_MESSAGE_CHARS``;
+and only ``max_reported_errors`` errors are listed. The report (batch.json and
+the log line) is therefore at most ~100 × 1 KB, whatever the file holds.
 """
 
 from __future__ import annotations
@@ -23,6 +29,29 @@ from aibrix_operators.batch.records import (
 
 UTF8_BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
+# A user value quoted in a message is cut to this many characters.
+MAX_ECHO_CHARS = 200
+# Any message (ours plus echoed values plus a parser's text) is cut to this.
+MAX_MESSAGE_CHARS = 1000
+
+
+def echo(value: Any) -> str:
+    """``repr(value)`` for a message, cut so that a 4 MiB value costs ~200 characters.
+
+    Long strings are sliced before ``repr`` so a huge value is never copied whole.
+    """
+    if isinstance(value, str) and len(value) > MAX_ECHO_CHARS:
+        return f"{value[:MAX_ECHO_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) > MAX_ECHO_CHARS:
+        return f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
+    return text
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"... (message cut, {len(message)} characters)"
 
 
 @dataclass(frozen=True)
@@ -100,7 +129,7 @@ class _Collector:
     def add(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
         self.report.error_count += 1
         if len(self.report.errors) < self.cap:
-            self.report.errors.append(LineError(line, code, message, param))
+            self.report.errors.append(LineError(line, code, _bounded(message), param))
 
 
 def _skip_rest_of_line(readline: Callable[[int], bytes], size: int) -> int:
@@ -147,13 +176,16 @@ def validate_stream(
     err = _Collector(report, limits.max_reported_errors)
     if endpoint is not None and endpoint not in SUPPORTED_ENDPOINTS:
         err.add(None, "invalid_endpoint",
-                f"endpoint {endpoint!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}",
+                f"endpoint {echo(endpoint)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}",
                 "endpoint")
         return report
 
     id_hashes = array("q")
     id_lines = array("l")
-    blank_lines: list[int] = []
+    # A run of blank lines waiting for the next request: where it starts and how long it is.
+    blank = _BlankRun()
+    # A buffered stream lets a run of bare newlines be consumed in chunks, not line by line.
+    peek = getattr(stream, "peek", None)
     line_no = 0
     total_bytes = 0
     last_had_newline = True
@@ -187,7 +219,7 @@ def validate_stream(
                     "or raise max_file_bytes", "max_file_bytes")
             break
         if too_long:
-            _flush_blank(blank_lines, err)
+            blank.flush(err)
             err.add(line_no, "line_too_large",
                     f"line is {size} bytes, over the limit of {limits.max_line_bytes} bytes; "
                     "shorten the request or raise max_line_bytes")
@@ -203,10 +235,23 @@ def validate_stream(
             err.add(line_no, "crlf_line_ending",
                     "line ends with CRLF (\\r\\n); use Unix line endings (\\n)")
         if not raw or raw.isspace():  # same as `not raw.strip()`, without copying the line
-            blank_lines.append(line_no)
+            blank.add(line_no, 1)
+            if raw == b"\n" and peek is not None:
+                skipped = _skip_newlines(stream, peek)
+                if skipped:
+                    blank.add(line_no + 1, skipped)
+                    line_no += skipped
+                    total_bytes += skipped
+                    if total_bytes > max_file_bytes:
+                        err.add(None, "file_too_large",
+                                f"file is larger than the limit of {limits.max_file_bytes} bytes "
+                                f"(exceeded at line {line_no - (total_bytes - max_file_bytes) + 1}); "
+                                "split it into several batches or raise max_file_bytes",
+                                "max_file_bytes")
+                        break
             continue
-        if blank_lines:
-            _flush_blank(blank_lines, err)
+        if blank.count:
+            blank.flush(err)
         report.total_requests += 1
         report.last_request_line = line_no
         if report.total_requests > max_requests:
@@ -229,11 +274,43 @@ def validate_stream(
     return report
 
 
-def _flush_blank(blank_lines: list[int], err: _Collector) -> None:
-    # Blank lines are fine at the end of a file; before a request they are a mistake.
-    for n in blank_lines:
-        err.add(n, "blank_line", "blank line between requests; remove it")
-    blank_lines.clear()
+class _BlankRun:
+    """Consecutive blank lines not yet followed by a request: two integers, whatever the run's length."""
+
+    __slots__ = ("count", "first")
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.count = 0
+
+    def add(self, line_no: int, n: int) -> None:
+        if not self.count:
+            self.first = line_no
+        self.count += n
+
+    def flush(self, err: _Collector) -> None:
+        # Blank lines are fine at the end of a file; before a request they are a mistake,
+        # reported once per run.
+        if self.count == 1:
+            err.add(self.first, "blank_line", "blank line between requests; remove it")
+        elif self.count:
+            last = self.first + self.count - 1
+            err.add(self.first, "blank_line",
+                    f"{self.count} blank lines (lines {self.first}-{last}) between requests; "
+                    "remove them")
+        self.count = 0
+
+
+def _skip_newlines(stream: BinaryIO, peek: Callable[[int], bytes]) -> int:
+    """Consume the bare ``\n`` bytes at the stream's position, a buffer at a time; how many."""
+    skipped = 0
+    while True:
+        buf = peek(_SKIP_CHUNK)
+        n = len(buf) - len(buf.lstrip(b"\n"))
+        if n == 0:
+            return skipped
+        stream.read(n)
+        skipped += n
 
 
 def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) -> Any:
@@ -247,13 +324,46 @@ def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) ->
                     f"line is not valid UTF-8 (byte offset {ude.start} in the line); "
                     "re-encode the file as UTF-8")
             return None
-        if not had_newline:
+        special = _non_standard_json(raw, exc)
+        if special is not None:
+            err.add(line_no, *special)
+        elif not had_newline:
             err.add(line_no, "truncated_line",
                     f"last line is not complete JSON and has no final newline; the file looks "
                     f"truncated ({exc})")
         else:
             err.add(line_no, "invalid_json_line", f"line is not valid JSON: {exc}")
         return None
+
+
+_NON_FINITE = ("NaN", "Infinity", "-Infinity")
+
+
+def _non_standard_json(raw: bytes, exc: ValueError) -> tuple[str, str] | None:
+    """``(code, message)`` for the extensions Python's ``json`` accepts but JSON does not.
+
+    ``NaN``/``Infinity`` (and numbers that overflow to infinity) and lone UTF-16
+    surrogate escapes (``"\\ud800"``) parse in the stdlib but cannot be encoded
+    again for the server, so they get codes of their own rather than a generic
+    syntax error. orjson's messages and ``pos`` (a character offset) tell them apart.
+    """
+    text = str(exc)
+    if "surrogate" in text:
+        return ("lone_surrogate",
+                "line has a \\ud800-\\udfff escape without its pair (a lone UTF-16 surrogate), "
+                "which is not a Unicode character; fix the text's encoding")
+    if "infinity" in text:
+        return ("invalid_number",
+                "line has a number too large for a 64-bit float; JSON numbers must be finite")
+    pos = getattr(exc, "pos", None)
+    if isinstance(pos, int):
+        # ``pos`` counts characters; only the few around it are decoded.
+        around = raw.decode("utf-8", errors="replace")[max(pos - 1, 0): pos + len("Infinity")]
+        if any(around.startswith(w) or around[1:].startswith(w) for w in _NON_FINITE):
+            return ("invalid_number",
+                    "line has NaN or Infinity, which are not valid JSON numbers; "
+                    "use null or a finite number")
+    return None
 
 
 def _check_record(
@@ -287,7 +397,7 @@ def _check_record(
     if method is None:
         err.add(line_no, "missing_required_parameter", "method is missing", "method")
     elif method != "POST":
-        err.add(line_no, "invalid_method", f"method is {method!r}; only 'POST' is supported",
+        err.add(line_no, "invalid_method", f"method is {echo(method)}; only 'POST' is supported",
                 "method")
 
     url = record.get("url")
@@ -295,12 +405,12 @@ def _check_record(
         err.add(line_no, "missing_required_parameter", "url is missing", "url")
     elif url not in SUPPORTED_ENDPOINTS:
         err.add(line_no, "invalid_url",
-                f"url {url!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", "url")
+                f"url {echo(url)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", "url")
     elif report.endpoint is None:
         report.endpoint = url
     elif url != report.endpoint:
         err.add(line_no, "mismatched_endpoint",
-                f"url {url!r} differs from the batch endpoint {report.endpoint!r}; "
+                f"url {echo(url)} differs from the batch endpoint {echo(report.endpoint)}; "
                 "a batch targets one endpoint", "url")
 
     body = record.get("body")
@@ -317,7 +427,7 @@ def _check_record(
         report.model = model
     elif model != report.model:
         err.add(line_no, "mismatched_model",
-                f"body.model {model!r} differs from {report.model!r} (first seen earlier); "
+                f"body.model {echo(model)} differs from {echo(report.model)} (first seen earlier); "
                 "a batch uses one model", "body.model")
     return custom_id
 
@@ -348,7 +458,7 @@ def _report_duplicates(
         cid = ids_at[n]
         if cid in first_seen:
             err.add(n, "duplicate_custom_id",
-                    f"custom_id {cid!r} already appears on line {first_seen[cid]}; "
+                    f"custom_id {echo(cid)} already appears on line {first_seen[cid]}; "
                     "custom_id must be unique in a batch", "custom_id")
         else:
             first_seen[cid] = n
