@@ -18,6 +18,7 @@ from aibrix_operators.batch.records import (
     DEFAULT_MAX_REQUESTS,
     SUPPORTED_ENDPOINTS,
 )
+from aibrix_operators.localenv import default_output_uri
 from aibrix_operators.operators import (
     DispatchShardOperator,
     MergeBatchOperator,
@@ -28,19 +29,29 @@ from aibrix_operators.operators import (
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# The trigger's output_uri, or a directory of the run's own (never a shared "latest").
+OUTPUT_URI = "{{ params.output_uri or default_output_uri(run_id) }}"
+
 PARAMS = {
     "input_uri": Param(
         str(REPO_ROOT / "examples" / "chat_batch.jsonl"), type="string", minLength=1,
         description="The OpenAI Batch JSONL file: a local path or s3://bucket/key.",
     ),
     "output_uri": Param(
-        str(REPO_ROOT / ".work" / "outputs" / "latest"), type="string", minLength=1,
+        "", type="string",
         description="Where output.jsonl, errors.jsonl and batch.json go: a local directory or "
-        "s3://bucket/prefix.",
+        "s3://bucket/prefix. Empty: a directory of this run's own, .work/outputs/<run id>.",
     ),
     "endpoint": Param(
-        "http://127.0.0.1:8000", type="string", pattern="^https?://",
-        description="Base URL of the OpenAI-compatible server (vLLM or the P/D router).",
+        "", type="string", pattern=r"^(https?://\S+)?$",
+        description="Base URL of the OpenAI-compatible server (vLLM or the P/D router); must be on "
+        "the deployment's allow-list and gets no API key. Empty: the inference connection's host, "
+        "else http://127.0.0.1:8000.",
+    ),
+    "inference_conn_id": Param(
+        None, type=["null", "string"],
+        description="Airflow HTTP connection of the inference server (host, and the API key as its "
+        "password); the key is sent only to that connection's host.",
     ),
     "batch_endpoint": Param(
         "auto", type="string", enum=["auto", *SUPPORTED_ENDPOINTS],
@@ -91,12 +102,13 @@ with DAG(
     render_template_as_native_obj=True,
     max_active_tasks=16,
     tags=["aibrix", "batch", "llm"],
+    user_defined_macros={"default_output_uri": default_output_uri},
     doc_md=__doc__,
 ) as dag:
     validate = ValidateBatchOperator(
         task_id="validate",
         input_uri="{{ params.input_uri }}",
-        output_uri="{{ params.output_uri }}",
+        output_uri=OUTPUT_URI,
         batch_endpoint="{{ params.batch_endpoint }}",
         expected_model="{{ params.model }}",
         max_requests="{{ params.max_requests }}",
@@ -105,6 +117,8 @@ with DAG(
         completion_window="{{ params.completion_window }}",
         metadata="{{ params.metadata }}",
         aws_conn_id="{{ params.aws_conn_id }}",
+        endpoint="{{ params.endpoint }}",
+        inference_conn_id="{{ params.inference_conn_id }}",
     )
     split = SplitBatchOperator(
         task_id="split",
@@ -117,6 +131,7 @@ with DAG(
         task_id="dispatch",
         validated=validate.output,
         endpoint="{{ params.endpoint }}",
+        inference_conn_id="{{ params.inference_conn_id }}",
         concurrency="{{ params.concurrency }}",
         max_attempts="{{ params.max_attempts }}",
         request_timeout_s="{{ params.request_timeout_s }}",
@@ -136,6 +151,8 @@ with DAG(
     record_failure = RecordBatchFailureOperator(
         task_id="record_failure",
         aws_conn_id="{{ params.aws_conn_id }}",
+        output_uri=OUTPUT_URI,
+        input_uri="{{ params.input_uri }}",
         trigger_rule="one_failed",
     )
     [validate, split, dispatch, merge] >> record_failure

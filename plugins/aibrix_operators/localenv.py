@@ -8,6 +8,7 @@ One source of truth for ``make run``, the tests and interactive shells::
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str
         "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"),
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def default_output_uri(run_id: str) -> str:
+    """Where a run's results go when the trigger names no output: its own directory,
+    so a failed run can never leave the previous run's batch.json to be read as its own."""
+    return str(WORK_DIR / "outputs" / re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
 
 
 def main() -> None:

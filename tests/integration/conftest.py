@@ -46,6 +46,7 @@ def airflow_session_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     # A stray AWS endpoint in the caller's environment must not leak into local runs.
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(key, None)
+    env.update(allow_list_env(tmp_path_factory.getbasetemp()))
     migrated = airflow_cli(env, "db", "migrate")
     assert migrated.returncode == 0, migrated.stderr[-3000:]
     return env
@@ -58,6 +59,25 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
     finally:
         stop_group(server.proc)
+
+
+# The S3 bucket the integration tests read and write.
+TEST_BUCKET = "batch-test"
+TEST_INFERENCE_CONN = "inference_test"
+
+
+def allow_list_env(tmp_root: Path) -> dict[str, str]:
+    """The deployment allow-list the tests run under, set the way a deployment sets it
+    (Airflow config by environment): the local-development entries, plus the tests'
+    temporary directories, their S3 bucket and connections."""
+    return {
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS": "http://127.0.0.1:*, http://localhost:*",
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_STORAGE": ",".join([
+            str(REPO_ROOT / "examples"), str(WORK_DIR), str(tmp_root), f"s3://{TEST_BUCKET}/",
+        ]),
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_AWS_CONN_IDS": "<default>, batch_s3",
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_INFERENCE_CONN_IDS": TEST_INFERENCE_CONN,
+    }
 
 
 def dags_test(env: dict[str, str], conf: dict, log_dir: Path) -> subprocess.CompletedProcess:

@@ -109,9 +109,15 @@ def test_expected_model_mismatch_fails_validation(storage, write_file, tmp_path,
     assert [e.code for e in report.errors] == ["mismatched_model"]
 
 
-def test_bad_completion_window_is_rejected_before_reading(storage, tmp_path):
-    with pytest.raises(ValueError, match="completion_window"):
-        validate_batch(storage, str(tmp_path / "absent.jsonl"), str(tmp_path / "o"), completion_window="soon")
+def test_bad_completion_window_is_recorded_before_reading(storage, tmp_path):
+    # The input does not exist: the window is checked first, so that is the one error.
+    report, batch = validate_batch(storage, str(tmp_path / "absent.jsonl"), str(tmp_path / "o"),
+                                   completion_window="soon")
+    assert batch is None
+    assert [(e.code, e.param) for e in report.errors] == [("invalid_completion_window", "completion_window")]
+    written = json.loads((tmp_path / "o" / "batch.json").read_text())
+    assert written["status"] == "failed"
+    assert written["errors"]["data"][0]["code"] == "invalid_completion_window"
 
 
 def test_batch_steps_and_batch_json(storage, write_file, tmp_path, lines):
@@ -188,6 +194,7 @@ def test_driver_config():
 
 def test_driver_config_reads_api_key_from_env(monkeypatch):
     monkeypatch.setenv("MY_KEY", "sk-test")
+    monkeypatch.setenv("MY_KEY_ORIGIN", "http://h")  # the key is bound to this origin (trust.py)
     cfg = DriverConfig("http://h", api_key_env="MY_KEY", extra_headers={"X-A": "1"})
     assert cfg.headers() == {"Content-Type": "application/json", "X-A": "1",
                              "Authorization": "Bearer sk-test"}

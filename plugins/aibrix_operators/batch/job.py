@@ -16,14 +16,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.batch.failures import (
+    FailureRecord,
+    error_list,
+    failed_batch,
+    one_line,
+    publish_failure,
+    storage_error_code,
+)
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
 from aibrix_operators.batch.records import BatchObject, new_batch_id, parse_completion_window
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
-from aibrix_operators.batch.validation import LineError, ValidationLimits, ValidationReport, validate_stream
+from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.results import ResultLog, results_prefix
 from aibrix_operators.driver.runner import ShardOutcome, run_shard
-from aibrix_operators.storage import Storage, join_uri
+from aibrix_operators.storage import Storage, StorageError, join_uri
 
 
 def work_prefix(output_uri: str, run_id: str) -> str:
@@ -67,32 +75,54 @@ def validate_batch(
     metadata: dict[str, str] | None = None,
     batch_id: str | None = None,
     expected_model: str | None = None,
+    output_storage: Storage | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
-    """Validate the input; on failure write a failed ``batch.json`` to the output."""
+    """Validate the input; on any failure write a failed ``batch.json`` to the output.
+
+    Failures before the content can be judged — a bad ``completion_window``, an
+    input that is missing or that these credentials may not read, a read that
+    breaks off — are reported like content errors: one error with a specific
+    code (``invalid_completion_window``, ``input_not_found``,
+    ``input_access_denied``, ``input_unreadable``). ``report.record`` says where
+    the failed ``batch.json`` went, or why it could not be written.
+    """
     limits = limits or ValidationLimits()
     created_at = int(time.time())
-    window_s = parse_completion_window(completion_window)
     batch_id = batch_id or new_batch_id()
-    with storage.open_read(input_uri) as stream:
-        report = validate_stream(stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri))
+    report = ValidationReport(endpoint=endpoint)
+    window_s: int | None = None
+    try:
+        window_s = parse_completion_window(completion_window)
+    except ValueError as exc:
+        report.add_error(None, "invalid_completion_window", str(exc), "completion_window")
+    else:
+        try:
+            with storage.open_read(input_uri) as stream:
+                report = validate_stream(
+                    stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri)
+                )
+        except Exception as exc:
+            if not _is_storage_failure(exc):
+                raise
+            report = ValidationReport(endpoint=endpoint)
+            message = str(exc) if isinstance(exc, StorageError) else f"cannot read {input_uri}: {exc}"
+            report.add_error(None, storage_error_code(exc, "input"), one_line(message), "input_uri")
     if expected_model and report.model and report.model != expected_model:
-        report.error_count += 1
-        report.errors.append(LineError(
+        report.add_error(
             None, "mismatched_model",
             f"the file's requests use model {report.model!r} but this batch was submitted for "
             f"{expected_model!r}; fix body.model or the model parameter", "model",
-        ))
-    if not report.ok:
-        batch = BatchObject(
-            id=batch_id, endpoint=report.endpoint or endpoint or "", input_file_id=input_uri,
-            completion_window=completion_window, status="failed", errors=report.as_openai_errors(),
-            created_at=created_at, failed_at=int(time.time()), expires_at=created_at + window_s,
-            metadata=metadata or None,
         )
-        batch.request_counts["total"] = report.total_requests
-        write_batch_object(storage, output_uri, batch)
+    if not report.ok:
+        batch = failed_batch(
+            batch_id=batch_id, input_uri=input_uri, errors=report.as_openai_errors(),
+            endpoint=report.endpoint or endpoint or "", completion_window=completion_window,
+            created_at=created_at, expires_at=created_at + window_s if window_s else None,
+            total_requests=report.total_requests, metadata=metadata,
+        )
+        report.record = publish_failure(output_storage or storage, output_uri, batch)
         return report, None
-    assert report.endpoint is not None and report.model is not None
+    assert report.endpoint is not None and report.model is not None and window_s is not None
     return report, ValidatedBatch(
         batch_id=batch_id, input_uri=input_uri, output_uri=output_uri, endpoint=report.endpoint,
         model=report.model, total_requests=report.total_requests, total_bytes=report.total_bytes,
@@ -100,6 +130,13 @@ def validate_batch(
         metadata=metadata or {}, max_line_bytes=limits.max_line_bytes,
         last_request_line=report.last_request_line,
     )
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    """A failure of the store or the network under it, as opposed to a bug of ours."""
+    if isinstance(exc, StorageError | OSError):
+        return True
+    return type(exc).__module__.split(".")[0] in ("botocore", "urllib3", "boto3")
 
 
 def split_batch(
@@ -158,23 +195,20 @@ def finalize_batch(
 
 def record_batch_failure(
     storage: Storage, batch: ValidatedBatch, code: str, message: str
-) -> BatchObject:
+) -> FailureRecord:
     """Publish a failed ``batch.json`` when the run died after validation.
 
     Checkpointed results stay under the run's work prefix: clearing the failed
-    tasks in Airflow resumes the run where it stopped.
+    tasks in Airflow resumes the run where it stopped. A store that cannot take
+    the record is reported in the returned ``FailureRecord``, not raised.
     """
-    obj = BatchObject(
-        id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
-        completion_window=batch.completion_window, status="failed",
-        errors={"object": "list", "data": [{"code": code, "message": message, "param": None,
-                                            "line": None}], "total": 1},
-        created_at=batch.created_at, expires_at=batch.expires_at, failed_at=int(time.time()),
-        metadata=batch.metadata or None,
+    obj = failed_batch(
+        batch_id=batch.batch_id, input_uri=batch.input_uri, errors=error_list(code, message),
+        endpoint=batch.endpoint, completion_window=batch.completion_window,
+        created_at=batch.created_at, expires_at=batch.expires_at,
+        total_requests=batch.total_requests, metadata=batch.metadata,
     )
-    obj.request_counts["total"] = batch.total_requests
-    write_batch_object(storage, batch.output_uri, obj)
-    return obj
+    return publish_failure(storage, batch.output_uri, obj)
 
 
 def write_batch_object(storage: Storage, output_uri: str, batch: BatchObject) -> str:

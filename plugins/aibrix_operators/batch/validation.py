@@ -85,10 +85,17 @@ class ValidationReport:
     last_request_line: int = 0
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
+    # Where a failed batch's batch.json went (a batch.failures.FailureRecord), set by job.py.
+    record: Any = None
 
     @property
     def ok(self) -> bool:
         return self.error_count == 0
+
+    def add_error(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
+        """Add an error found outside the line scan (a parameter, the file as a whole)."""
+        self.error_count += 1
+        self.errors.append(LineError(line, code, _bounded(message), param))
 
     def as_openai_errors(self) -> dict[str, Any]:
         """OpenAI's ``errors`` object; ``total`` counts errors beyond the listed ones."""

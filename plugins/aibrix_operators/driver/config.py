@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from aibrix_operators.trust import same_origin
+
 
 @dataclass(frozen=True)
 class DriverConfig:
@@ -23,10 +25,16 @@ class DriverConfig:
     progress_interval_s: float = 10.0
     # Unix time after which no new request is started (OpenAI's completion window).
     deadline: float | None = None
-    # Name of the environment variable holding the API key; the key itself is never
-    # passed around in configs, XComs or pod specs.
+    # Name of the environment variable holding the API key (driver pods get it from a
+    # Secret); the Airflow worker passes None and uses ``api_key`` from a connection.
     api_key_env: str | None = "OPENAI_API_KEY"
-    extra_headers: dict[str, str] = field(default_factory=dict)
+    extra_headers: dict[str, str] = field(default_factory=dict, repr=False)
+    # The API key, from an Airflow connection; repr=False keeps it out of logs and tracebacks.
+    api_key: str | None = field(default=None, repr=False)
+    # The origin (scheme://host:port) the key belongs to: it is sent only when ``endpoint``
+    # has this origin, so a trigger that names another endpoint never receives it. For the
+    # env key, None means "${api_key_env}_ORIGIN" (e.g. OPENAI_API_KEY_ORIGIN).
+    api_key_origin: str | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -45,8 +53,12 @@ class DriverConfig:
         return base[: -len("/v1")] if base.endswith("/v1") else base
 
     def headers(self) -> dict[str, str]:
+        """Request headers; ``Authorization`` only toward the key's own origin (trust.py)."""
         headers = {"Content-Type": "application/json", **self.extra_headers}
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        if key:
+        key, bound_to = self.api_key, self.api_key_origin
+        if not key and self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            bound_to = bound_to or os.environ.get(f"{self.api_key_env}_ORIGIN")
+        if key and bound_to and same_origin(self.endpoint, bound_to):
             headers["Authorization"] = f"Bearer {key}"
         return headers

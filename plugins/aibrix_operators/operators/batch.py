@@ -5,11 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from aibrix_operators.batch.failures import (
+    FailureRecord,
+    error_list,
+    failed_batch,
+    one_line,
+    publish_failure,
+)
 from aibrix_operators.batch.job import (
     ValidatedBatch,
     finalize_batch,
@@ -23,24 +30,35 @@ from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_REQUESTS,
+    new_batch_id,
 )
 from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
+from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.storage import Storage
+from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
 
 log = logging.getLogger(__name__)
+# XCom key under which validate says where its failure was recorded (or why it was not).
+FAILURE_RECORD_KEY = "failure_record"
 
 
 class ValidateBatchOperator(BaseOperator):
-    """Validate an OpenAI Batch JSONL file before any inference.
+    """Check the trigger against the allow-list, then validate the batch file before any inference.
 
-    Returns the validated batch (XCom). An invalid file fails the task without
-    retries, with a line-numbered report in the log and in ``batch.json``.
+    Returns the validated batch (XCom). Any failure — a trigger the allow-list
+    refuses, a bad parameter, an input that cannot be read, invalid content —
+    fails the task without retries, with a specific error in the log and in a
+    failed ``batch.json`` at the output (when the output may and can be written;
+    otherwise the log says why not). The outcome is also pushed as XCom
+    ``failure_record`` for ``RecordBatchFailureOperator``.
     """
 
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
+        "endpoint", "inference_conn_id",
     )
 
     def __init__(
@@ -56,6 +74,8 @@ class ValidateBatchOperator(BaseOperator):
         metadata: dict[str, str] | None = None,
         expected_model: str | None = None,
         aws_conn_id: str | None = None,
+        endpoint: str | None = None,
+        inference_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -69,32 +89,87 @@ class ValidateBatchOperator(BaseOperator):
         self.completion_window = completion_window
         self.metadata = metadata
         self.aws_conn_id = aws_conn_id
+        # Checked here (before anything is read) so a refused trigger fails at once.
+        self.endpoint = endpoint
+        self.inference_conn_id = inference_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
-        storage = BatchStorageHook(self.aws_conn_id).storage_for(self.input_uri)
-        out_storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
-        if type(storage) is not type(out_storage):
-            raise AirflowFailException(
-                f"input {self.input_uri} and output {self.output_uri} must be on the same kind of "
-                "storage (both local or both s3://)"
+        batch_id = new_batch_id()
+        metadata = {str(k): str(v) for k, v in (self.metadata or {}).items()}
+        policy = load_policy()
+        # The output gets a record only if the trigger may write there with that connection.
+        output_refusal = _refusal(policy, self.output_uri, self.aws_conn_id)
+        try:
+            policy.check_trigger(
+                input_uri=self.input_uri, output_uri=self.output_uri, aws_conn_id=self.aws_conn_id,
+                endpoint=self.endpoint, inference_conn_id=self.inference_conn_id,
             )
+            resolve_inference(policy, self.endpoint, self.inference_conn_id)
+        except TrustViolation as exc:
+            for line in describe(policy):
+                log.info("%s", line)
+            self._fail(context, batch_id, metadata, "refused_by_policy", str(exc), output_refusal)
+        try:
+            storage = BatchStorageHook(self.aws_conn_id).storage_for(self.input_uri)
+            out_storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unknown connection or URI scheme
+            self._fail(context, batch_id, metadata, "invalid_storage", f"{type(exc).__name__}: {exc}",
+                       "the output's storage could not be opened")
+        if type(storage) is not type(out_storage):
+            self._fail(context, batch_id, metadata, "invalid_output_uri",
+                       f"input {self.input_uri} and output {self.output_uri} must be on the same kind "
+                       "of storage (both local or both s3://)", None, out_storage)
         limits = ValidationLimits(
             max_requests=int(self.max_requests), max_file_bytes=int(self.max_file_bytes),
             max_line_bytes=int(self.max_line_bytes),
         )
-        try:
-            report, batch = validate_batch(
-                storage, self.input_uri, self.output_uri, _endpoint_or_auto(self.batch_endpoint), limits,
-                self.completion_window, {str(k): str(v) for k, v in (self.metadata or {}).items()},
-                expected_model=self.expected_model or None,
-            )
-        except ValueError as exc:  # a bad parameter, e.g. completion_window
-            raise AirflowFailException(str(exc)) from exc
+        report, batch = validate_batch(
+            storage, self.input_uri, self.output_uri, _endpoint_or_auto(self.batch_endpoint), limits,
+            str(self.completion_window), metadata, batch_id=batch_id,
+            expected_model=self.expected_model or None, output_storage=out_storage,
+        )
         if batch is None:
+            record: FailureRecord = report.record
+            context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
             log.error("%s", report.summary())
-            raise AirflowFailException(report.summary())
+            log.error("%s", record.describe())
+            raise AirflowFailException(f"{report.summary()}\n{record.describe()}")
         log.info("%s", report.summary())
         return batch.as_dict()
+
+    def _fail(
+        self, context: Context, batch_id: str, metadata: dict[str, str], code: str, message: str,
+        output_refusal: str | None, out_storage: Storage | None = None,
+    ) -> NoReturn:
+        """Record a failure found before validation could start, then fail the task."""
+        message = one_line(message)
+        if output_refusal is not None:
+            record = FailureRecord(None, False, output_refusal)
+        else:
+            obj = failed_batch(
+                batch_id=batch_id, input_uri=self.input_uri, errors=error_list(code, message),
+                completion_window=str(self.completion_window), metadata=metadata,
+            )
+            try:
+                if out_storage is None:
+                    out_storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+                record = publish_failure(out_storage, self.output_uri, obj)
+            except Exception as exc:  # noqa: BLE001 - the record is best effort; the log says why
+                record = FailureRecord(self.output_uri, False, one_line(f"{type(exc).__name__}: {exc}"))
+        context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
+        log.error("batch %s failed: [%s] %s", batch_id, code, message)
+        log.error("%s", record.describe())
+        raise AirflowFailException(f"[{code}] {message}\n{record.describe()}")
+
+
+def _refusal(policy: TrustPolicy, output_uri: str, aws_conn_id: str | None) -> str | None:
+    """Why nothing may be written at ``output_uri``, or None if a record may go there."""
+    try:
+        policy.check_storage(output_uri, "output_uri")
+        policy.check_aws_conn(aws_conn_id)
+    except TrustViolation as exc:
+        return f"the output is not a place this trigger may write to ({exc})"
+    return None
 
 
 def _endpoint_or_auto(value: str | None) -> str | None:
@@ -185,26 +260,40 @@ class MergeBatchOperator(BaseOperator):
 
 
 class RecordBatchFailureOperator(BaseOperator):
-    """Runs when a step failed: publishes a failed ``batch.json`` and fails the run.
+    """Runs when a step failed: makes sure a failed ``batch.json`` exists and fails the run.
 
     Use with ``trigger_rule="one_failed"`` downstream of every step. It fails
     itself on purpose, so the DAG run ends failed while the batch record says why.
-    A validation failure has already written its own line-numbered report.
+    A failure in validation has already been recorded by the validate task (its
+    XCom ``failure_record`` says where); if validate died without recording one,
+    this task writes a generic record itself, if the output is on the allow-list.
     """
 
-    template_fields: Sequence[str] = ("aws_conn_id",)
+    template_fields: Sequence[str] = ("aws_conn_id", "output_uri", "input_uri")
 
     def __init__(
-        self, *, validate_task_id: str = "validate", aws_conn_id: str | None = None, **kwargs: Any
+        self,
+        *,
+        validate_task_id: str = "validate",
+        aws_conn_id: str | None = None,
+        output_uri: str | None = None,
+        input_uri: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.validate_task_id = validate_task_id
         self.aws_conn_id = aws_conn_id
+        self.output_uri = output_uri
+        self.input_uri = input_uri
 
     def execute(self, context: Context) -> None:
-        validated = context["ti"].xcom_pull(task_ids=self.validate_task_id)
+        ti = context["ti"]
+        validated = ti.xcom_pull(task_ids=self.validate_task_id)
         if not validated:
-            raise AirflowFailException("the batch failed validation; its report is in batch.json")
+            recorded = ti.xcom_pull(task_ids=self.validate_task_id, key=FAILURE_RECORD_KEY)
+            if recorded:
+                raise AirflowFailException(f"the batch failed in validation; {recorded}")
+            raise AirflowFailException(self._record_without_validation(context))
         batch = ValidatedBatch.from_dict(validated)
         storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.output_uri)
         message = (
@@ -212,5 +301,24 @@ class RecordBatchFailureOperator(BaseOperator):
             "Clearing them resumes from the checkpoints under "
             f"{work_prefix(batch.output_uri, context['run_id'])}"
         )
-        record_batch_failure(storage, batch, "batch_run_failed", message)
-        raise AirflowFailException(message)
+        record = record_batch_failure(storage, batch, "batch_run_failed", message)
+        log.error("%s", record.describe())
+        raise AirflowFailException(f"{message}\n{record.describe()}")
+
+    def _record_without_validation(self, context: Context) -> str:
+        message = (
+            f"the validate task of run {context['run_id']} failed before it could record why "
+            "(see its log)"
+        )
+        if not self.output_uri:
+            return f"{message}; no output_uri to record it in"
+        refusal = _refusal(load_policy(), self.output_uri, self.aws_conn_id)
+        if refusal is not None:
+            record = FailureRecord(None, False, refusal)
+        else:
+            obj = failed_batch(batch_id=new_batch_id(), input_uri=self.input_uri or "",
+                               errors=error_list("batch_run_failed", message))
+            storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+            record = publish_failure(storage, self.output_uri, obj)
+        log.error("%s", record.describe())
+        return f"{message}; {record.describe()}"

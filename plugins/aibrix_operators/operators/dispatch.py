@@ -22,7 +22,9 @@ from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
+from aibrix_operators.hooks.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
+from aibrix_operators.trust import TrustViolation
 
 EXECUTION_MODES = ("local", "kubernetes")
 
@@ -71,7 +73,7 @@ class DispatchShardOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
-        "execution_mode", "aws_conn_id", "endpoint_wait_s",
+        "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id",
     )
 
     def __init__(
@@ -79,13 +81,13 @@ class DispatchShardOperator(BaseOperator):
         *,
         shard: Any,
         validated: Any,
-        endpoint: str,
+        endpoint: str | None = None,
         concurrency: int = 64,
         max_attempts: int = 5,
         request_timeout_s: float = 600.0,
         execution_mode: str = "local",
         endpoint_wait_s: float = 300.0,
-        api_key_env: str | None = "OPENAI_API_KEY",
+        inference_conn_id: str | None = None,
         aws_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -98,19 +100,24 @@ class DispatchShardOperator(BaseOperator):
         self.request_timeout_s = request_timeout_s
         self.execution_mode = execution_mode
         self.endpoint_wait_s = endpoint_wait_s
-        self.api_key_env = api_key_env
+        self.inference_conn_id = inference_conn_id
         self.aws_conn_id = aws_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)
         try:
+            # Checked again here, not only in validate: this is where the requests leave.
+            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+            # The worker's own environment never supplies a key (api_key_env=None): a key
+            # comes only from the inference connection and is bound to its host.
             config = DriverConfig(
-                endpoint=self.endpoint, concurrency=int(self.concurrency),
+                endpoint=target.endpoint, concurrency=int(self.concurrency),
                 max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
-                deadline=float(batch.expires_at), api_key_env=self.api_key_env,
+                deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
+                api_key_origin=target.api_key_origin,
             )
-        except ValueError as exc:
+        except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
         storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])

@@ -1,0 +1,81 @@
+"""Airflow side of the trust boundaries: the allow-list from Airflow config, keys from connections.
+
+The allow-list is the ``[aibrix_batch]`` section of the Airflow config (so a
+deployment sets it in airflow.cfg, or as ``AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS``
+and friends in the workers' environment); DAG params cannot change it. If the
+section sets none of the keys, the local-development allow-list applies
+(loopback endpoints, this checkout's examples/ and .work/). Once any key is
+set, an unset key allows nothing: a deployment's list fails closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aibrix_operators.localenv import REPO_ROOT
+from aibrix_operators.trust import (
+    TrustPolicy,
+    TrustViolation,
+    connection_url,
+    local_development_policy,
+    origin,
+    parse_list,
+    same_origin,
+)
+
+SECTION = "aibrix_batch"
+KEYS = ("allowed_endpoints", "allowed_storage", "allowed_aws_conn_ids", "allowed_inference_conn_ids")
+# The endpoint used when a trigger names neither an endpoint nor an inference connection.
+DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
+
+
+def load_policy() -> TrustPolicy:
+    """The deployment's allow-list, read fresh from the worker's Airflow config."""
+    from airflow.sdk import conf
+
+    values = {key: parse_list(conf.get(SECTION, key, fallback=None)) for key in KEYS}
+    if all(v is None for v in values.values()):
+        return local_development_policy(REPO_ROOT)
+    return TrustPolicy(
+        endpoints=values["allowed_endpoints"] or (),
+        storage=values["allowed_storage"] or (),
+        aws_conn_ids=values["allowed_aws_conn_ids"] or (),
+        inference_conn_ids=values["allowed_inference_conn_ids"] or (),
+        source=f"the [{SECTION}] section of the Airflow config",
+    )
+
+
+@dataclass(frozen=True)
+class InferenceTarget:
+    """Where a shard's requests go, and the key for that place only."""
+
+    endpoint: str
+    api_key: str | None = field(default=None, repr=False)
+    api_key_origin: str | None = None
+
+
+def resolve_inference(
+    policy: TrustPolicy, endpoint: str | None, inference_conn_id: str | None
+) -> InferenceTarget:
+    """Check the trigger's ``endpoint``/``inference_conn_id`` and return the target.
+
+    With a connection, its host is the endpoint and its password the key (bound
+    to that host); an ``endpoint`` param may then only repeat the same origin.
+    Without one, the free-form endpoint must be on the allow-list and gets no key.
+    """
+    if not inference_conn_id:
+        target = endpoint or DEFAULT_ENDPOINT
+        policy.check_endpoint(target)
+        return InferenceTarget(target)
+    policy.check_inference_conn(inference_conn_id)
+    from airflow.sdk import BaseHook
+
+    conn = BaseHook.get_connection(inference_conn_id)
+    url = connection_url(conn.host, conn.schema, conn.port)
+    if endpoint and not same_origin(endpoint, url):
+        raise TrustViolation(
+            "inference_conn_id",
+            f"endpoint {endpoint!r} is not the host of inference connection {inference_conn_id!r} "
+            f"({origin(url)}); leave endpoint empty to use the connection's host",
+        )
+    return InferenceTarget(endpoint or url, conn.password or None, origin(url))
