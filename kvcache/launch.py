@@ -52,6 +52,8 @@ class LocalServer:
         log_path: str | Path | None = None,
         work_dir: str | Path | None = None,
         extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        dev_mode: bool = False,
     ) -> None:
         self.model = model
         self.port = free_port()
@@ -82,6 +84,11 @@ class LocalServer:
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p),
         )
+        if dev_mode:
+            # vLLM's dev endpoints, among them POST /reset_prefix_cache (tests, benches).
+            self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        self.env.update(env or {})
+        self.prefix_caching = prefix_caching
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 240.0) -> LocalServer:
@@ -129,6 +136,20 @@ class LocalServer:
         self.stop()
 
     # -- client ------------------------------------------------------------------------
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty vLLM's own prefix cache (not the connector's tiers), so the next request
+        must compute or load every token. Needs ``dev_mode``. vLLM refuses while requests
+        hold blocks; retried until idle."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read() or b"{}").get("success", True):
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("vLLM kept refusing to reset its prefix cache")
+            time.sleep(0.1)
+
     def complete(
         self, prompt: str | list[int], max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0
     ) -> dict[str, Any]:
