@@ -104,6 +104,8 @@ def test_failure_after_validation_is_recorded_in_batch_json(vllm_chat, airflow_s
     assert "'not-served' is not served at" in proc.stdout + proc.stderr
     batch = json.loads((out / "batch.json").read_text())
     assert batch["status"] == "failed"
-    assert [e["code"] for e in batch["errors"]["data"]] == ["batch_run_failed"]
+    # The dispatch tasks' own error, not a generic one (operators/step_errors.py).
+    assert [e["code"] for e in batch["errors"]["data"]] == ["model_not_served"]
+    assert "'not-served' is not served at" in batch["errors"]["data"][0]["message"]
     assert batch["request_counts"]["total"] == 4
     assert not (out / "output.jsonl").exists()

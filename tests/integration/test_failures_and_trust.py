@@ -353,3 +353,18 @@ def test_a_trigger_outside_the_allow_list_is_refused_before_any_read(
     # the only traffic, a PUT of batch.json — no GET of the input.
     assert [(m, p) for m, p, _ in s3_stub.requests if m == "GET"] == []
     assert all(p.endswith("/out/batch.json") for _, p, _ in s3_stub.requests), s3_stub.requests
+
+
+def test_a_failure_after_validation_records_the_steps_own_error(airflow_session_env, recorders, tmp_path):
+    server = recorders()  # serves only "tiny-llama"
+    input_path = write_jsonl(tmp_path / "in.jsonl", chat_requests(3, model="other-model"))
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {"input_uri": str(input_path), "output_uri": str(out),
+                                           "endpoint": server.url}, tmp_path)
+    assert proc.returncode != 0
+    batch = _failed_batch(out)
+    assert _codes(batch) == ["model_not_served"]
+    message = batch["errors"]["data"][0]["message"]
+    assert message.startswith("dispatch[0]: ") and "'other-model' is not served at" in message
+    assert batch["request_counts"]["total"] == 3
+    assert [m for m, _, _ in server.requests if m == "POST"] == []

@@ -36,6 +36,7 @@ from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
 
@@ -201,6 +202,7 @@ class SplitBatchOperator(BaseOperator):
         self.max_shards = max_shards
         self.aws_conn_id = aws_conn_id
 
+    @records_step_error("split")
     def execute(self, context: Context) -> list[dict[str, Any]]:
         batch = ValidatedBatch.from_dict(self.validated)
         storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.input_uri)
@@ -233,6 +235,7 @@ class MergeBatchOperator(BaseOperator):
         self.outcomes = outcomes
         self.aws_conn_id = aws_conn_id
 
+    @records_step_error("merge")
     def execute(self, context: Context) -> dict[str, Any]:
         batch = ValidatedBatch.from_dict(self.validated)
         shards = [ShardSpec.from_dict(s) for s in self.shards]
@@ -275,6 +278,7 @@ class RecordBatchFailureOperator(BaseOperator):
         self,
         *,
         validate_task_id: str = "validate",
+        step_task_ids: Sequence[str] = ("split", "dispatch", "merge"),
         aws_conn_id: str | None = None,
         output_uri: str | None = None,
         input_uri: str | None = None,
@@ -282,6 +286,7 @@ class RecordBatchFailureOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.validate_task_id = validate_task_id
+        self.step_task_ids = tuple(step_task_ids)
         self.aws_conn_id = aws_conn_id
         self.output_uri = output_uri
         self.input_uri = input_uri
@@ -301,7 +306,21 @@ class RecordBatchFailureOperator(BaseOperator):
             "Clearing them resumes from the checkpoints under "
             f"{work_prefix(batch.output_uri, context['run_id'])}"
         )
-        record = record_batch_failure(storage, batch, "batch_run_failed", message)
+        # The steps' own errors (model_not_served, storage_error, ...) when they left them.
+        errors = collect_step_errors(ti, self.step_task_ids)
+        if not errors:
+            record = record_batch_failure(storage, batch, "batch_run_failed", message)
+        else:
+            obj = failed_batch(
+                batch_id=batch.batch_id, input_uri=batch.input_uri,
+                errors={"object": "list", "data": errors, "total": len(errors)},
+                endpoint=batch.endpoint, completion_window=batch.completion_window,
+                created_at=batch.created_at, expires_at=batch.expires_at,
+                total_requests=batch.total_requests, metadata=batch.metadata,
+            )
+            record = publish_failure(storage, batch.output_uri, obj)
+            for error in errors:
+                log.error("[%s] %s", error["code"], error["message"])
         log.error("%s", record.describe())
         raise AirflowFailException(f"{message}\n{record.describe()}")
 

@@ -23,6 +23,7 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.operators.step_errors import records_step_error
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
 
@@ -103,6 +104,7 @@ class DispatchShardOperator(BaseOperator):
         self.inference_conn_id = inference_conn_id
         self.aws_conn_id = aws_conn_id
 
+    @records_step_error("dispatch")
     def execute(self, context: Context) -> dict[str, Any]:
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)

@@ -1,0 +1,83 @@
+"""What a failed step tells ``record_failure``: a specific code and a one-line message, by XCom.
+
+Airflow keeps a task's exception in its log only; the batch record needs it in
+words a user can act on. A step's ``execute`` wrapped by ``records_step_error``
+pushes ``{"code", "message", "task"}`` under ``STEP_ERROR_KEY`` before the
+exception propagates (Airflow clears a task's XComs when it is retried, so only
+the last attempt's error remains).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from aibrix_operators.batch.failures import one_line
+
+STEP_ERROR_KEY = "step_error"
+# Exception class names (matched by name along the cause chain, so this module needs
+# none of the modules that define them) → the code a user sees in batch.json.
+_CODES = {
+    "ModelNotServed": "model_not_served",
+    "EndpointUnavailable": "endpoint_unavailable",
+    "EndpointOutage": "endpoint_unavailable",
+    "CheckpointWriteFailed": "storage_error",
+    "StorageError": "storage_error",
+    "ExactlyOnceViolation": "exactly_once_violation",
+    "ShardChanged": "input_changed",
+    "TrustViolation": "refused_by_policy",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def step_error_code(exc: BaseException, step: str) -> str:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        for cls in type(cur).__mro__:
+            if cls.__name__ in _CODES:
+                return _CODES[cls.__name__]
+        cur = cur.__cause__ or cur.__context__
+    return f"{step}_failed"
+
+
+def records_step_error(step: str) -> Callable[[F], F]:
+    """Decorate an operator's ``execute(self, context)`` to publish its failure for ``record_failure``."""
+
+    def wrap(execute: F) -> F:
+        @functools.wraps(execute)
+        def run(self: Any, context: Any) -> Any:
+            try:
+                return execute(self, context)
+            except Exception as exc:
+                ti = context["ti"]
+                index = getattr(ti, "map_index", -1)
+                task = ti.task_id if index is None or index < 0 else f"{ti.task_id}[{index}]"
+                try:
+                    ti.xcom_push(key=STEP_ERROR_KEY, value={
+                        "code": step_error_code(exc, step), "task": task,
+                        "message": one_line(str(exc) or type(exc).__name__),
+                    })
+                except Exception:  # noqa: BLE001 - never hide the real failure behind this one
+                    pass
+                raise
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def collect_step_errors(ti: Any, task_ids: Iterable[str], limit: int = 100) -> list[dict[str, Any]]:
+    """The errors the failed steps published, as OpenAI error entries (at most ``limit``)."""
+    found = ti.xcom_pull(task_ids=list(task_ids), key=STEP_ERROR_KEY) or []
+    if isinstance(found, dict):
+        found = [found]
+    errors = []
+    for item in found:
+        if isinstance(item, dict) and item.get("code"):
+            message = one_line(f"{item.get('task')}: {item.get('message')}")
+            errors.append({"code": item["code"], "message": message, "param": None, "line": None})
+    return errors[:limit]
