@@ -8,6 +8,7 @@ another layout, or damaged on the way is rejected (and recomputed), never used.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import warnings
 import zlib
@@ -89,26 +90,50 @@ def decode(
 ) -> tuple[torch.Tensor, int]:
     """Parse a record and check it against ``expected``; returns (tensor, crc32).
 
-    Raises IntegrityError on any mismatch. The tensor aliases ``record`` (no copy).
+    Raises IntegrityError on any mismatch, and on anything malformed: records come from a
+    shared tier that others can write to, so no content of one may raise anything else
+    (it would reach vLLM's forward). The tensor aliases ``record`` (no copy).
     """
-    view = memoryview(record)
+    try:
+        return _decode(record, expected, verify)
+    except IntegrityError:
+        raise
+    except Exception as exc:  # a malformed record is a miss, whatever the parser tripped on
+        raise IntegrityError(f"malformed record: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(
+    record: bytes | bytearray | memoryview, expected: Expected, verify: bool
+) -> tuple[torch.Tensor, int]:
+    view = memoryview(record).cast("B")
     if len(view) < _HEAD.size:
         raise IntegrityError("record too short")
     magic, header_len = _HEAD.unpack_from(view)
     if magic != _MAGIC:
         raise IntegrityError("bad magic")
+    if _HEAD.size + header_len > len(view):
+        raise IntegrityError("truncated header")
     try:
         header = json.loads(bytes(view[_HEAD.size : _HEAD.size + header_len]))
     except ValueError as exc:
         raise IntegrityError(f"bad header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise IntegrityError("header is not an object")
     if header.get("key") != expected.key:
         raise IntegrityError(f"key mismatch: {header.get('key')!r} != {expected.key!r}")
     dtype = str(expected.dtype).removeprefix("torch.")
-    if header.get("dtype") != dtype or tuple(header.get("shape", ())) != expected.shape:
+    shape = header.get("shape")
+    if header.get("dtype") != dtype or not isinstance(shape, list) or tuple(shape) != expected.shape:
         raise IntegrityError("layout mismatch")
+    # The payload must hold exactly the expected shape's bytes: the header's own nbytes
+    # could agree with a short payload.
+    nbytes = math.prod(expected.shape) * torch.empty((), dtype=expected.dtype).element_size()
     payload = view[_HEAD.size + header_len :]
-    if len(payload) != header.get("nbytes"):
-        raise IntegrityError("truncated payload")
+    if len(payload) != nbytes or header.get("nbytes") != nbytes:
+        raise IntegrityError("payload size mismatch")
+    crc = header.get("crc32")
+    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+        raise IntegrityError("bad crc32 field")
     with warnings.catch_warnings():
         # Read-only buffers (bytes from Redis) are fine: we only copy out of them.
         warnings.simplefilter("ignore", UserWarning)
@@ -117,7 +142,6 @@ def decode(
             if len(payload)
             else (torch.empty(expected.shape, dtype=expected.dtype))
         )
-    crc = int(header.get("crc32", -1))
     if verify and checksum(tensor) != crc:
         raise IntegrityError("checksum mismatch")
     return tensor, crc

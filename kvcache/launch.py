@@ -151,12 +151,18 @@ class LocalServer:
             time.sleep(0.1)
 
     def complete(
-        self, prompt: str | list[int], max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 8,
+        logprobs: int | None = 1,
+        timeout_s: float = 300.0,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Greedy /v1/completions; returns the parsed JSON response."""
+        """Greedy /v1/completions; returns the parsed JSON response. ``extra``: more body
+        fields (e.g. ``cache_salt``)."""
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "seed": 0,
+            "temperature": 0.0, "seed": 0, **(extra or {}),
         }  # fmt: skip
         if logprobs is not None:
             body["logprobs"] = logprobs

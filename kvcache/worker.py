@@ -252,6 +252,11 @@ class KVCacheWorker:
                 step.sources[idx][layer] = self._fetch_l2(step, idx, item, layer)
             except _LoadFailed as exc:
                 step.fail(idx, exc.reason)
+            except Exception as exc:  # nothing a tier returns may raise into the forward
+                _log_once(
+                    "load-error", "kvcache: load of chunk %s failed: %r; recomputing it", item.chunk_hash, exc
+                )
+                step.fail(idx, "integrity")
 
     def _fetch_l2(self, step: _StepLoad, idx: int, item: ChunkTransfer, layer: int) -> torch.Tensor:
         assert self.layout is not None and self.slab is not None
@@ -265,6 +270,8 @@ class KVCacheWorker:
             raise _LoadFailed("unavailable") from exc
         if record is None:
             raise _LoadFailed("absent")
+        if not isinstance(record, (bytes, bytearray, memoryview)):
+            raise _LoadFailed("integrity")
         expected = codec.Expected(key, self.layout.dtype, self.layout.chunk_shape(self.chunk_blocks))
         if step.corrupt:
             head = len(record) - expected_nbytes(expected)
@@ -381,9 +388,12 @@ class KVCacheWorker:
         if self.cuda:
             ready = self.copier.mark_compute()
             step.futures[layer] = self._saver.submit(self._gather_layer, step, layer, ready)
-        else:
+        elif step.error is None:
             # No copy engine: copy now, while this layer's KV is still in the CPU's caches.
-            self._gather_layer(step, layer, None)
+            try:
+                self._gather_layer(step, layer, None)
+            except Exception as exc:  # reported and dropped at the barrier, never raised here
+                step.error = exc
         step.issued[layer] = True
         step.blocked_s += time.perf_counter() - t0
 
@@ -403,15 +413,24 @@ class KVCacheWorker:
             self._check_chunk_blocks(meta)
             step = _StepSave(self, meta.saves)
         ready = None
+        error: BaseException | None = step.error
         for layer in range(len(self.kv)):
             fut = step.futures[layer]
-            if fut is not None:
-                fut.result()
-            elif not step.issued[layer]:
-                # Sync mode (or a layer whose save hook never ran): copy it out now.
-                if ready is None and self.copier is not None:
-                    ready = self.copier.mark_compute()
-                self._gather_layer(step, layer, ready)
+            try:
+                if fut is not None:
+                    fut.result()
+                elif not step.issued[layer] and error is None:
+                    # Sync mode (or a layer whose save hook never ran): copy it out now.
+                    if ready is None and self.copier is not None:
+                        ready = self.copier.mark_compute()
+                    self._gather_layer(step, layer, ready)
+            except Exception as exc:  # a failed copy-out is a skipped save, never an engine error
+                error = error or exc
+        if error is not None:
+            self._drop_step_saves(step, error)
+            spent = step.blocked_s + time.perf_counter() - t0
+            metrics.SAVE_SECONDS.observe(spent)
+            return
         failed, self._step_failed_reqs = self._step_failed_reqs, set()
         with self._report_lock:
             self._failed_reqs |= failed
@@ -421,6 +440,17 @@ class KVCacheWorker:
         spent = step.blocked_s + time.perf_counter() - t0
         metrics.SAVE_SECONDS.observe(spent)
         self.stats.add("save_s", spent)
+
+    def _drop_step_saves(self, step: _StepSave, error: BaseException) -> None:
+        """A step whose copy-out failed stores nothing: its slots go back, and its requests
+        re-plan their saves (as after a failed load)."""
+        metrics.SAVE_ERRORS.inc()
+        self.stats.add("save_errors", 1)
+        _log_once("save-error", "kvcache: saving a step failed (%r); its chunks are not stored", error)
+        step.release_all()
+        failed, self._step_failed_reqs = self._step_failed_reqs, set()
+        with self._report_lock:
+            self._failed_reqs |= failed | {item.req_id for item in step.items}
 
     def _gather_layer(self, step: _StepSave, layer: int, ready: object) -> None:
         assert self.layout is not None and self.copier is not None and self.slab is not None
@@ -564,6 +594,7 @@ class _StepSave:
         self.events: list[object] = [None] * n_layers
         self.issued = [False] * n_layers
         self.blocked_s = 0.0  # compute-thread time in save_kv_layer calls
+        self.error: BaseException | None = None  # first failed copy-out: the step stores nothing
 
     def target(self, idx: int, layer: int) -> torch.Tensor:
         slot = self.slots[idx]
@@ -572,11 +603,18 @@ class _StepSave:
         return self.spill[idx][layer]  # type: ignore[index]
 
     def release_all(self) -> None:
+        """Wait for every copy of the step (failed ones included), then free its slots."""
         for fut in self.futures:
             if fut is not None:
-                fut.result()
+                try:
+                    fut.result()
+                except Exception:  # the step is being dropped: its slots must still go back
+                    pass
         for ev in self.events:
-            self.worker.copier.wait_host(ev)  # type: ignore[union-attr]
+            try:
+                self.worker.copier.wait_host(ev)  # type: ignore[union-attr]
+            except Exception:
+                pass
         for slot in self.slots:
             if slot is not None:
                 self.worker.slab.unref(slot)  # type: ignore[union-attr]

@@ -107,3 +107,58 @@ def test_writer_drops_when_queue_full(tmp_path) -> None:
     results = [writer.submit(f"kv:n:r0:h{i}:L0", t, codec.checksum(t)) for i in range(10)]
     assert not all(results) and writer.dropped == results.count(False)
     writer.close()
+
+
+def _malformed(rec: bytes, t: torch.Tensor) -> list[bytes]:
+    """Records a writer to the shared tier could leave under a key: each must be a miss."""
+    import json
+    import random
+    import struct
+
+    rng = random.Random(7)
+    head = struct.Struct("<4sI")
+    header_len = head.unpack_from(rec)[1]
+    header = json.loads(rec[head.size : head.size + header_len])
+    payload = rec[head.size + header_len :]
+
+    def with_header(h: object, body: bytes = payload) -> bytes:
+        raw = json.dumps(h).encode()
+        return head.pack(b"KVC1", len(raw)) + raw + body
+
+    short = payload[: len(payload) // 2]
+    out = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300))) for _ in range(20)]
+    out += [rec[:n] for n in sorted(rng.sample(range(len(rec)), 20))]  # truncated anywhere
+    out += [
+        head.pack(b"KVC1", 10**6) + rec[head.size :],  # header length beyond the record
+        head.pack(b"KVC1", 3) + b"\xff\xfe\x00" + payload,  # header not UTF-8
+        with_header([1, 2, 3]),
+        with_header("a string"),
+        with_header(None),
+        with_header({**header, "crc32": "abc"}),
+        with_header({**header, "crc32": None}),
+        with_header({**header, "crc32": 1.5}),
+        with_header({**header, "crc32": -1}),
+        with_header({**header, "nbytes": "x"}),
+        with_header({**header, "shape": "2,3,4"}),
+        with_header({**header, "shape": [2, "3", 4]}),
+        with_header({**header, "shape": None}),
+        with_header({**header, "dtype": ["float32"]}),
+        # The header agrees with a short payload: nbytes matches, shape x element size not.
+        with_header({**header, "nbytes": len(short)}, short),
+        with_header({**header, "nbytes": len(payload) + 4}, payload + b"\0\0\0\0"),
+        # Another shape's tensor, labelled with the expected shape.
+        with_header({**header, "nbytes": 4 * 6}, torch.ones(2, 3).numpy().tobytes()),
+    ]
+    return out
+
+
+def test_malformed_records_are_integrity_errors_only() -> None:
+    t = torch.randn(2, 3, 4)
+    rec = codec.encode("k1", t)
+    for bad in _malformed(rec, t):
+        for verify in (True, False):
+            with pytest.raises(codec.IntegrityError):
+                codec.decode(bad, _expected("k1", t), verify)
+    # memoryview / bytearray inputs (any buffer a store may return) still decode.
+    out, _ = codec.decode(memoryview(bytearray(rec)), _expected("k1", t))
+    assert torch.equal(out, t)

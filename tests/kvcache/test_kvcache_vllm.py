@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcache_testlib import RedisServer, random_prompt, scrape
+from kvcache_testlib import (
+    LOGPROB_TOL,
+    RedisServer,
+    assert_same,
+    completion,
+    max_logprob_delta,
+    random_prompt,
+    scrape,
+)
 
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
@@ -35,29 +43,6 @@ BLOCK = 128
 # Tiny model: 4 layers x 2 kv heads x 128 tokens x 128 floats x 4 bytes = 512 KiB per chunk.
 CHUNK_BYTES = 4 * 2 * 128 * 128 * 4
 L1_CAPACITY = 12 * CHUNK_BYTES
-# Allowed |delta logprob| between a hit and a full prefill. vLLM's own prefix cache gives
-# up to 4.8e-7 on AMD EPYC (one float32 ulp at |logprob| ~ 7) and 0 on the Intel machine
-# the suite was written on; 1e-5 leaves a 20x margin for other CPUs, while KV that is
-# actually wrong changes the greedy tokens of this model (the corrupt-load test relies on
-# the same comparison).
-LOGPROB_TOL = 1e-5
-
-
-def completion(resp: dict[str, Any]) -> tuple[list[str], list[float]]:
-    lp = resp["choices"][0]["logprobs"]
-    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
-
-
-def max_logprob_delta(a: dict[str, Any], b: dict[str, Any]) -> float:
-    (_, la), (_, lb) = completion(a), completion(b)
-    return max(abs(x - y) for x, y in zip(la, lb, strict=True))
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Same greedy tokens exactly; logprobs within the justified tolerance."""
-    (tg, _), (tw, _) = completion(got), completion(want)
-    assert tg == tw
-    assert max_logprob_delta(got, want) <= LOGPROB_TOL
 
 
 @dataclass

@@ -231,3 +231,76 @@ def test_no_free_slot_and_no_l2_skips_the_save() -> None:
     w.slab.unref(0)
     assert w.slab.slots_in_use == 0
     w.shutdown()
+
+
+class _GarbageStore:
+    """An L2 whose records are whatever a hostile or broken writer left."""
+
+    name = "garbage"
+
+    def __init__(self, records: list[object]) -> None:
+        self.records = records
+        self.i = 0
+
+    def get(self, key: str) -> object:
+        self.i += 1
+        return self.records[self.i % len(self.records)]
+
+    def put(self, key: str, record: bytes) -> None:
+        return None
+
+    def present(self, groups: list[list[str]]) -> list[bool]:
+        return [True] * len(groups)
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sync"])
+def test_malformed_l2_records_are_counted_misses(mode: str) -> None:
+    """Nothing an L2 returns reaches the forward as an exception: every load is a miss."""
+    import json
+    import struct
+
+    hdr = json.dumps({"key": "x", "dtype": "float32", "shape": "bad", "crc32": "z"}).encode()
+    records: list[object] = [b"", b"KVC1", b"\x00" * 64, struct.pack("<4sI", b"KVC1", 2) + b"[]",
+                             struct.pack("<4sI", b"KVC1", len(hdr)) + hdr, 12345, "text"]  # fmt: skip
+    w, kv = _worker({"mode": mode, "l1_capacity_bytes": 0}, _GarbageStore(records))
+    before = [t[5].clone() for t in kv.values()]
+    loads = [ChunkTransfer("a", [(0, 5)], "r"), ChunkTransfer("b", [(0, 6)], "r")]
+    with torch.inference_mode():
+        for _ in range(3):
+            assert _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)) == {5, 6}
+    assert all(torch.equal(t[5], b) for t, b in zip(kv.values(), before, strict=True))
+    stats = w.take_stats()
+    assert stats is not None and stats.data.get("miss_integrity") == 6 and "hit_l2" not in stats.data
+    w.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sync"])
+def test_failed_copy_out_is_dropped_not_raised(mode: str, monkeypatch) -> None:
+    """An exception while copying a save out stays in the connector: the step stores nothing,
+    its slots go back, its requests re-plan their saves, and the next step works."""
+    w, kv = _worker({"mode": mode})
+    _fill(kv, [1, 2])
+    real = w._gather_layer
+    calls = {"n": 0}
+
+    def flaky(step, layer, ready):
+        calls["n"] += 1
+        if layer == 1:
+            raise RuntimeError("copy failed")
+        return real(step, layer, ready)
+
+    monkeypatch.setattr(w, "_gather_layer", flaky)
+    meta = KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)], "rA")], chunk_tokens=BS)
+    assert _step(w, meta) == set()  # no exception out of save_layer / wait_for_save
+    assert calls["n"] >= 2
+    report = w.take_report()
+    assert report is not None and report.failed_reqs == {"rA"} and not report.stored
+    assert w.chunk_key("a") not in w.l1
+    assert w.slab is not None and w.slab.slots_in_use == 0
+    monkeypatch.setattr(w, "_gather_layer", real)
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("b", [(0, 2)], "rB")], chunk_tokens=BS))
+    assert w.chunk_key("b") in w.l1
+    w.shutdown()

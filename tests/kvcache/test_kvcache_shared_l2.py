@@ -1,0 +1,171 @@
+"""A shared L2 that others can write to, end to end: one real vLLM CPU server, real Redis.
+
+The server keeps no L1 (``l1_capacity_bytes: 0``), so every hit is a Redis read, and has
+vLLM's prefix caching on (emptied through ``/reset_prefix_cache`` before each request, so
+the connector serves what is cached). Its own first answer to a prompt, computed with an
+empty Redis, is the baseline: a full prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+import torch
+from kvcache_testlib import RedisServer, assert_same, random_prompt, scrape
+
+from kvcache import codec
+from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
+
+BLOCK = 128
+LAYERS = 4
+_HEAD = struct.Struct("<4sI")
+
+
+@dataclass
+class Shared:
+    server: LocalServer
+    redis: RedisServer
+    metrics_port: int
+
+    def fresh(self, prompt: list[int], max_tokens: int = 8, salt: str | None = None) -> dict[str, Any]:
+        self.server.reset_prefix_cache()
+        extra = {"cache_salt": salt} if salt is not None else None
+        return self.server.complete(prompt, max_tokens=max_tokens, extra=extra)
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.metrics_port)
+
+    def client(self) -> redis.Redis:
+        return self.redis.client()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model: str) -> Iterator[Shared]:
+    redis_srv = RedisServer().start()
+    port = free_port()
+    extra = {
+        "l1_capacity_bytes": 0,
+        "l2_backend": "redis",
+        "l2_redis_url": redis_srv.url,
+        "l2_redis_timeout_s": 2.0,
+        "metrics_port": port,
+    }
+    server = LocalServer(
+        tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=True, dev_mode=True, threads_bind="0"
+    )
+    try:
+        with server:
+            yield Shared(server, redis_srv, port)
+    finally:
+        redis_srv.stop()
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _parse(record: bytes) -> tuple[dict[str, Any], bytes]:
+    n = _HEAD.unpack_from(record)[1]
+    return json.loads(record[_HEAD.size : _HEAD.size + n]), record[_HEAD.size + n :]
+
+
+def _pack(header: object, payload: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return _HEAD.pack(b"KVC1", len(raw)) + raw + payload
+
+
+def _fuzz(kind: str, record: bytes, other: bytes, rng: random.Random) -> bytes:
+    """A malformed record of the given kind, made from the valid ``record`` of that key."""
+    header, payload = _parse(record)
+    if kind == "random":
+        return rng.randbytes(rng.choice((0, 3, 8, 100, len(record))))
+    if kind == "truncated":
+        return record[: rng.randrange(0, len(record))]
+    if kind == "header-not-object":
+        return _pack(rng.choice(([1, 2], "x", None, 3.5)), payload)
+    if kind == "header-bad-fields":
+        field, value = rng.choice(
+            (("crc32", "abc"), ("crc32", None), ("crc32", 2.5), ("nbytes", "x"), ("shape", "1,2"),
+             ("shape", [None]), ("dtype", 7), ("key", 1))
+        )  # fmt: skip
+        return _pack({**header, field: value}, payload)
+    if kind == "short-payload":  # the header's nbytes agrees with the short payload
+        cut = payload[: len(payload) // 2]
+        return _pack({**header, "nbytes": len(cut), "crc32": zlib.crc32(cut)}, cut)
+    if kind == "wrong-shape":  # a consistent record of another shape, under this key
+        t = torch.frombuffer(bytearray(payload), dtype=torch.float32)[: len(payload) // 8].clone()
+        return codec.encode(header["key"], t.view(2, -1))
+    if kind == "flipped-byte":
+        body = bytearray(payload)
+        body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
+        return _pack(header, bytes(body))
+    if kind == "other-key":  # a valid record of another chunk / layer
+        return other
+    raise ValueError(kind)
+
+
+FUZZ_KINDS = ("random", "truncated", "header-not-object", "header-bad-fields", "short-payload",
+              "wrong-shape", "flipped-byte", "other-key")  # fmt: skip
+
+
+def test_fuzzed_records_are_counted_misses_not_errors(shared: Shared) -> None:
+    client = shared.client()
+    client.flushall()
+    prompt = random_prompt(700, seed=77)
+    chunks = 700 // BLOCK  # 5 full chunks, 4 layers each
+    cold = shared.fresh(prompt)
+    assert cached_tokens(cold) == 0
+    _wait_for(lambda: client.dbsize() == chunks * LAYERS)
+    keys = sorted(k.decode() for k in client.keys("kv:*"))
+    valid = {k: client.get(k) for k in keys}
+    expected = {k: _parse(v)[0] for k, v in valid.items()}
+    warm = shared.fresh(prompt)
+    assert cached_tokens(warm) == (700 - 1) // BLOCK * BLOCK  # the keys above are this prompt's
+    assert_same(warm, cold)
+
+    def restored() -> bool:
+        """Every key holds a valid record again (the server re-saves what it recomputed)."""
+        for k in keys:
+            rec = client.get(k)
+            h = expected[k]
+            try:
+                codec.decode(rec, codec.Expected(k, torch.float32, tuple(h["shape"])))
+            except (codec.IntegrityError, TypeError):
+                return False
+        return True
+
+    rng = random.Random(2024)
+    for rnd in range(2 * len(FUZZ_KINDS)):
+        # Each round fuzzes every key, with kinds rotating over keys and rounds; odd
+        # rounds leave the first two chunks valid (a partial hit, then recompute).
+        planted = keys if rnd % 2 == 0 else keys[2 * LAYERS :]
+        for i, k in enumerate(planted):
+            kind = FUZZ_KINDS[(rnd // 2 + i) % len(FUZZ_KINDS)]
+            client.set(k, _fuzz(kind, valid[k], valid[keys[(i + 1) % len(keys)]], rng))
+        before = shared.metrics()
+        got = shared.fresh(prompt)
+        after = shared.metrics()
+        assert_same(got, cold)
+        misses = after.get("kvcache_miss_chunks_total{reason=integrity}", 0) - before.get(
+            "kvcache_miss_chunks_total{reason=integrity}", 0
+        )
+        assert misses >= 1, (rnd, after)
+        _wait_for(restored)
+    log = shared.server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "EngineDeadError" not in log
+    assert "not loadable (integrity)" in log
+    final = shared.fresh(prompt)  # and the server still serves hits from what it re-saved
+    assert cached_tokens(final) == (700 - 1) // BLOCK * BLOCK
+    assert_same(final, cold)
