@@ -56,6 +56,10 @@ class KVCacheSettings:
     fault_injection_file: str = ""
     # Extra namespace text, e.g. a model revision, mixed into every key.
     namespace: str = ""
+    # The weights' identity in the key namespace. Empty: computed from the model
+    # directory's files (kvcache.fingerprint); set it for hub ids without a pinned revision,
+    # or to skip reading samples of the weight files at startup.
+    model_fingerprint: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KVCacheSettings:

@@ -24,7 +24,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from kvcache import metrics
 from kvcache.config import KVCacheSettings
-from kvcache.keys import KeyNamespace
+from kvcache.fingerprint import weights_fingerprint
+from kvcache.keys import KeyNamespace, layer_number
 from kvcache.metadata import KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.scheduler import KVCacheScheduler
 from kvcache.tiers import make_l2
@@ -53,9 +54,12 @@ def build_namespace(
     block_size = vllm_config.cache_config.block_size
     layout = f"{current_platform.device_type}/{kv_cache_config.kv_cache_layout}/{type(spec).__name__}"
     model = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
     return KeyNamespace(
         model=f"{model.model}@{model.revision or ''}",
         dtype=str(model.dtype),
+        kv_cache_dtype=f"{cache_dtype}/{getattr(spec, 'dtype', '')}",
+        weights=settings.model_fingerprint or weights_fingerprint(model.model),
         block_size=block_size,
         chunk_tokens=settings.chunk_size(block_size),
         num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
@@ -65,6 +69,15 @@ def build_namespace(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=settings.namespace,
     )
+
+
+def _layer_ids(kv_cache_config: KVCacheConfig) -> list[int] | None:
+    """Global layer numbers of the layers in this config (the worker keys by them)."""
+    names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+    nums = [layer_number(n) for n in names]
+    if any(n is None for n in nums) or len(set(nums)) != len(nums):
+        return None
+    return sorted(n for n in nums if n is not None)
 
 
 class KVCacheConnector(KVConnectorBase_V1):
@@ -97,6 +110,7 @@ class KVCacheConnector(KVConnectorBase_V1):
                 make_l2(self.settings),
                 can_load=can_load,
                 can_save=can_save,
+                layer_ids=_layer_ids(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -166,7 +180,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         if not self._cacheable(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        return self.scheduler.num_matched_tokens(request.request_id, prompt, num_computed_tokens), False
+        salt = getattr(request, "cache_salt", None)
+        return self.scheduler.num_matched_tokens(request.request_id, prompt, num_computed_tokens, salt), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -2,13 +2,18 @@
 
 A chunk's key is a chained hash: it covers the chunk's tokens *and* every token before
 it, so a key identifies a whole prefix, never a chunk out of context. Every chain starts
-from a namespace digest (model, dtype, block size, chunk size, KV layout, parallel
-layout), so two models or two layouts can never read each other's blocks.
+from a namespace digest (everything in ``KeyNamespace``: model, weights fingerprint, model
+dtype, KV cache dtype, block and chunk size, KV layout, TP size, the ``namespace``
+setting) and, when the request has one, its ``cache_salt``; so two models, two weight
+files, two KV formats, two layouts or two tenants never read each other's blocks. A
+storage key adds the TP rank and the *global* layer number (``model.layers.<n>``), so
+pipeline stages, which own disjoint layers, never share a key either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,13 +35,20 @@ class KeyNamespace:
     kv_layout: str
     tp_size: int
     extra: str = ""
+    # vLLM's cache_dtype setting and the KV spec's torch dtype: fp8_e4m3 and fp8_e5m2 can
+    # both be stored as uint8, so the dtype of the tensor alone does not tell them apart.
+    kv_cache_dtype: str = "auto"
+    # kvcache.fingerprint.weights_fingerprint of the model files, or model_fingerprint.
+    weights: str = ""
 
     def digest(self) -> bytes:
         text = "|".join(
             str(v)
             for v in (
-                "kvcache-v1",
+                "kvcache-v2",
                 self.model,
+                self.weights,
+                self.kv_cache_dtype,
                 self.dtype,
                 self.block_size,
                 self.chunk_tokens,
@@ -55,16 +67,30 @@ class KeyNamespace:
         return self.digest().hex()[:16]
 
 
+def chain_root(namespace: KeyNamespace, salt: str | None = None) -> bytes:
+    """Where a request's chain starts: the namespace digest, mixed with its cache_salt."""
+    root = namespace.digest()
+    if salt:
+        h = hashlib.blake2b(root, digest_size=_DIGEST_BYTES, person=b"kvcache-salt")
+        h.update(salt.encode())
+        root = h.digest()
+    return root
+
+
 def chunk_hashes(
-    namespace: KeyNamespace, token_ids: Sequence[int], max_tokens: int | None = None
+    namespace: KeyNamespace,
+    token_ids: Sequence[int],
+    max_tokens: int | None = None,
+    salt: str | None = None,
 ) -> list[str]:
-    """Chained hashes of the full chunks of ``token_ids`` (at most ``max_tokens`` tokens).
+    """Chained hashes of the full chunks of ``token_ids`` (at most ``max_tokens`` tokens),
+    under the request's ``cache_salt`` (vLLM's per-request tenant isolation), if any.
 
     A partial trailing chunk gets no key: only block-aligned chunks are stored.
     """
     size = namespace.chunk_tokens
     limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
-    parent = namespace.digest()
+    parent = chain_root(namespace, salt)
     out: list[str] = []
     for start in range(0, limit - size + 1, size):
         chunk = token_ids[start : start + size]
@@ -76,5 +102,14 @@ def chunk_hashes(
 
 
 def storage_key(namespace_prefix: str, tp_rank: int, chunk_hash: str, layer: int) -> str:
-    """Key of one layer of one chunk for one tensor-parallel rank."""
+    """Key of one layer (global layer number) of one chunk for one tensor-parallel rank."""
     return f"kv:{namespace_prefix}:r{tp_rank}:{chunk_hash}:L{layer}"
+
+
+def layer_number(name: str) -> int | None:
+    """The global layer number in a vLLM attention layer name (``model.layers.<n>.…``).
+
+    With pipeline parallelism each stage registers only its own layers, under their global
+    numbers, so keys built from it never collide between stages."""
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else None

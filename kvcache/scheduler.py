@@ -45,6 +45,7 @@ class KVCacheScheduler:
         l2: L2Store | None,
         can_load: bool = True,
         can_save: bool = True,
+        layer_ids: list[int] | None = None,
     ) -> None:
         self.settings = settings
         self.namespace = namespace
@@ -55,25 +56,34 @@ class KVCacheScheduler:
         self.l2 = l2
         self.can_load = can_load
         self.can_save = can_save
-        self.layers = namespace.num_layers
+        # Global layer numbers whose keys a lookup checks (this process's stage's layers).
+        self.layer_ids = list(layer_ids) if layer_ids is not None else list(range(namespace.num_layers))
         self.l1_index: set[str] = set()
         self._hash_cache: dict[str, list[str]] = {}
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._reqs: dict[str, _ReqState] = {}
 
     # -- lookup ----------------------------------------------------------------------------
-    def _hashes(self, req_id: str, prompt: list[int]) -> list[str]:
+    def _hashes(self, req_id: str, prompt: list[int], salt: str | None = None) -> list[str]:
         cached = self._hash_cache.get(req_id)
         if cached is None:
-            cached = chunk_hashes(self.namespace, prompt)
+            cached = chunk_hashes(self.namespace, prompt, salt=salt)
             self._hash_cache[req_id] = cached
         return cached
 
-    def num_matched_tokens(self, req_id: str, prompt: list[int], num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` whose KV we can load (side-effect free for vLLM)."""
-        if not self.can_load or not prompt:
+    def num_matched_tokens(
+        self, req_id: str, prompt: list[int], num_computed_tokens: int, salt: str | None = None
+    ) -> int:
+        """Tokens beyond ``num_computed_tokens`` whose KV we can load (side-effect free for vLLM).
+
+        Also where a request's chunk hashes are made, under its ``cache_salt``: vLLM asks
+        this of every new request, and the step metadata (which lacks the salt) reuses them.
+        """
+        if not prompt:
             return 0
-        hashes = self._hashes(req_id, prompt)
+        hashes = self._hashes(req_id, prompt, salt)
+        if not self.can_load:
+            return 0
         # Leave at least one prompt token to compute: vLLM needs logits for it.
         usable = min(len(hashes), (len(prompt) - 1) // self.chunk)
         hit = self._leading_hits(hashes[:usable])
@@ -89,7 +99,7 @@ class KVCacheScheduler:
         rest = hashes[n:]
         if not rest or self.l2 is None:
             return n
-        groups = [[storage_key(self.ns, 0, h, layer) for layer in range(self.layers)] for h in rest]
+        groups = [[storage_key(self.ns, 0, h, layer) for layer in self.layer_ids] for h in rest]
         try:
             found = self.l2.present(groups)
         except TierUnavailable:
@@ -113,9 +123,12 @@ class KVCacheScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             block_ids = list(new.block_ids[0]) if new.block_ids else []
             prompt = list(new.prompt_token_ids or [])
-            if not self._cacheable(new) or not prompt:
+            hashes = self._hash_cache.get(new.req_id)
+            # No hashes: the request was never looked up, so its cache_salt is unknown;
+            # better not stored than stored under an unsalted key.
+            if not self._cacheable(new) or not prompt or hashes is None:
                 continue
-            state = _ReqState(self._hashes(new.req_id, prompt), block_ids)
+            state = _ReqState(hashes, block_ids)
             self._reqs[new.req_id] = state
             pending = self._pending_loads.pop(new.req_id, None)
             if pending is not None:

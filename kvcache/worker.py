@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +38,7 @@ import torch
 
 from kvcache import codec, metrics
 from kvcache.config import KVCacheSettings
-from kvcache.keys import storage_key
+from kvcache.keys import layer_number, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.tiers import L1Pool, L2Store, TierUnavailable
 from kvcache.tiers.slab import SlabPool
@@ -66,12 +65,15 @@ class _LoadFailed(Exception):
 
 def _layer_order(names: list[str]) -> list[str]:
     """Layer names sorted by their layer number (vLLM names: model.layers.<n>.self_attn.attn)."""
+    return sorted(names, key=lambda name: (layer_number(name) or 0, name))
 
-    def num(name: str) -> tuple[int, str]:
-        found = re.findall(r"\.(\d+)\.", f".{name}.")
-        return (int(found[0]) if found else 0, name)
 
-    return sorted(names, key=num)
+def _global_layer_ids(names: list[str]) -> list[int]:
+    """Each layer's global number (what storage keys use); positions if a name has none."""
+    nums = [layer_number(n) for n in names]
+    if any(n is None for n in nums) or len(set(nums)) != len(nums):
+        return list(range(len(names)))
+    return [n for n in nums if n is not None]
 
 
 class KVCacheWorker:
@@ -98,6 +100,7 @@ class KVCacheWorker:
         self.block_size = 0
         self.chunk_blocks = 0
         self.layer_index: dict[str, int] = {}
+        self.layer_ids: list[int] = []
         self.layout: PagedLayout | None = None
         self.copier: HostCopier | None = None
         self.cuda = False
@@ -122,6 +125,9 @@ class KVCacheWorker:
         self.chunk_blocks = self.settings.chunk_size(block_size) // block_size
         names = _layer_order(list(kv_caches))
         self.layer_index = {n: i for i, n in enumerate(names)}
+        # Storage keys use global layer numbers: pipeline stages hold disjoint layers
+        # whose local positions (0, 1, ...) would otherwise collide in a shared L2.
+        self.layer_ids = _global_layer_ids(names)
         self.kv = [kv_caches[n] for n in names]
         self.layout = PagedLayout.detect(self.kv[0], num_blocks)
         self.copier = make_copier(self.layout.device)
@@ -262,7 +268,7 @@ class KVCacheWorker:
         assert self.layout is not None and self.slab is not None
         if self.l2 is None:
             raise _LoadFailed("absent")
-        key = storage_key(self.ns, self.tp_rank, item.chunk_hash, layer)
+        key = storage_key(self.ns, self.tp_rank, item.chunk_hash, self.layer_ids[layer])
         try:
             record = self.l2.get(key)
         except TierUnavailable as exc:
@@ -520,7 +526,10 @@ class KVCacheWorker:
                 for layer, t in enumerate(layers):
                     crc = sums[layer] if full and slot is not None else None  # None: writer computes it
                     self.writer.submit(
-                        storage_key(self.ns, self.tp_rank, item.chunk_hash, layer), t, crc, release
+                        storage_key(self.ns, self.tp_rank, item.chunk_hash, self.layer_ids[layer]),
+                        t,
+                        crc,
+                        release,
                     )
         metrics.TOKENS_SAVED.inc(tokens)
         metrics.TIER_BYTES.labels("l1").set(self.l1.bytes_used)

@@ -1,6 +1,7 @@
 from dataclasses import replace
 
-from kvcache.keys import KeyNamespace, chunk_hashes, storage_key
+from kvcache.fingerprint import weights_fingerprint
+from kvcache.keys import KeyNamespace, chunk_hashes, layer_number, storage_key
 
 NS = KeyNamespace(
     model="m@",
@@ -50,3 +51,61 @@ def test_storage_key_has_rank_and_layer() -> None:
     k0 = storage_key("ns", 0, "abc", 1)
     assert k0 != storage_key("ns", 1, "abc", 1)
     assert k0 != storage_key("ns", 0, "abc", 2)
+
+
+def test_namespace_separates_kv_dtype_weights_and_salt() -> None:
+    """What changes KV bytes (or who may read them) for the same tokens never shares a key."""
+    tokens = list(range(8))
+    fp8a = replace(NS, kv_cache_dtype="fp8_e4m3/torch.uint8")
+    fp8b = replace(NS, kv_cache_dtype="fp8_e5m2/torch.uint8")  # same storage dtype, other bytes
+    w1, w2 = replace(NS, weights="aa"), replace(NS, weights="bb")
+    variants = {
+        "base": chunk_hashes(NS, tokens),
+        "fp8_e4m3": chunk_hashes(fp8a, tokens),
+        "fp8_e5m2": chunk_hashes(fp8b, tokens),
+        "weights-aa": chunk_hashes(w1, tokens),
+        "weights-bb": chunk_hashes(w2, tokens),
+        "salt-a": chunk_hashes(NS, tokens, salt="tenant-a"),
+        "salt-b": chunk_hashes(NS, tokens, salt="tenant-b"),
+    }
+    firsts = [h[0] for h in variants.values()]
+    seconds = [h[1] for h in variants.values()]
+    assert len(set(firsts)) == len(firsts) and len(set(seconds)) == len(seconds)
+    # Deterministic, and no salt is the same as an empty one (vLLM sends None).
+    assert chunk_hashes(NS, tokens, salt="tenant-a") == variants["salt-a"]
+    assert chunk_hashes(NS, tokens, salt="") == chunk_hashes(NS, tokens, salt=None) == variants["base"]
+    # A salted chain is still a chain: a shared prefix under one salt shares keys.
+    longer = chunk_hashes(NS, tokens + [9, 9, 9, 9], salt="tenant-a")
+    assert longer[:2] == variants["salt-a"]
+
+
+def test_layer_number_is_the_global_index() -> None:
+    assert layer_number("model.layers.17.self_attn.attn") == 17
+    assert layer_number("language_model.model.layers.3.attn") == 3
+    assert layer_number("attn") is None
+
+
+def test_weights_fingerprint_follows_content_not_mtime(tmp_path) -> None:
+    import os
+    import shutil
+
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text('{"hidden_size": 8}')
+    weights = bytearray(os.urandom(3 << 20))
+    (a / "model.safetensors").write_bytes(weights)
+    fp = weights_fingerprint(str(a))
+    assert len(fp) == 32
+    b = tmp_path / "b"
+    shutil.copytree(a, b)  # another node's copy: other path, other mtimes
+    os.utime(b / "model.safetensors", (1, 1))
+    weights_fingerprint.cache_clear()
+    assert weights_fingerprint(str(b)) == fp
+    weights[len(weights) // 2] ^= 1  # fine-tuned in place: same size, same config
+    (b / "model.safetensors").write_bytes(weights)
+    weights_fingerprint.cache_clear()
+    assert weights_fingerprint(str(b)) != fp
+    (a / "config.json").write_text('{"hidden_size": 16}')
+    weights_fingerprint.cache_clear()
+    assert weights_fingerprint(str(a)) != fp
+    assert weights_fingerprint("meta-llama/Llama-3.1-8B") == ""  # a hub id: not a local dir

@@ -169,3 +169,34 @@ def test_fuzzed_records_are_counted_misses_not_errors(shared: Shared) -> None:
     final = shared.fresh(prompt)  # and the server still serves hits from what it re-saved
     assert cached_tokens(final) == (700 - 1) // BLOCK * BLOCK
     assert_same(final, cold)
+
+
+def test_cache_salt_separates_tenants(shared: Shared) -> None:
+    """vLLM's per-request cache_salt: one tenant's stored prefix is never another's hit.
+
+    One server and two salts share one Redis (cheaper than two servers and the same keys:
+    with L1 off every lookup and load goes through the shared Redis)."""
+    client = shared.client()
+    client.flushall()
+    prompt = random_prompt(700, seed=78)
+    per_prompt = 700 // BLOCK * LAYERS
+    loadable = (700 - 1) // BLOCK * BLOCK
+
+    def l2_hits() -> float:
+        return shared.metrics().get("kvcache_hit_chunks_total{tier=l2}", 0.0)
+
+    a = shared.fresh(prompt, salt="tenant-a")
+    assert cached_tokens(a) == 0
+    _wait_for(lambda: client.dbsize() == per_prompt)
+    hits = l2_hits()
+    b = shared.fresh(prompt, salt="tenant-b")
+    unsalted = shared.fresh(prompt)
+    assert cached_tokens(b) == 0 and cached_tokens(unsalted) == 0
+    assert l2_hits() == hits  # no lookup or load touched tenant a's records
+    assert_same(b, a)
+    assert_same(unsalted, a)
+    _wait_for(lambda: client.dbsize() == 3 * per_prompt)  # each stored under its own keys
+    a2 = shared.fresh(prompt, salt="tenant-a")
+    assert cached_tokens(a2) == loadable  # the owner still hits
+    assert l2_hits() == hits + loadable // BLOCK
+    assert_same(a2, a)

@@ -304,3 +304,37 @@ def test_failed_copy_out_is_dropped_not_raised(mode: str, monkeypatch) -> None:
     _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("b", [(0, 2)], "rB")], chunk_tokens=BS))
     assert w.chunk_key("b") in w.l1
     w.shutdown()
+
+
+def test_pipeline_stages_never_share_keys(tmp_path) -> None:
+    """An even PP split: stage 0 holds layers 0-2, stage 1 layers 3-5, same namespace and
+    same local positions. Each stage keys by its global layer numbers, so a chunk one stage
+    stored is a miss for the other, never the other stage's KV."""
+    stages = []
+    for first in (0, LAYERS):
+        w = KVCacheWorker(KVCacheSettings.from_extra({"l1_capacity_bytes": 0}), "ns", 0,
+                          FilesystemStore(str(tmp_path)))  # fmt: skip
+        kv = {
+            f"model.layers.{first + i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BS, DIM2)
+            for i in range(LAYERS)
+        }
+        w.register_kv_caches(kv, BLOCKS, BS)
+        stages.append((w, kv))
+    (w0, kv0), (w1, kv1) = stages
+    _fill(kv0, [1])
+    with torch.inference_mode():
+        _step(w0, KVCacheStepMetadata(saves=[ChunkTransfer("c", [(0, 1)], "r")], chunk_tokens=BS))
+    assert w0.writer is not None and w0.writer.flush()
+    names = sorted(p.name for p in tmp_path.rglob("kv_*"))
+    assert names == [f"kv_ns_r0_c_L{n}" for n in range(LAYERS)]
+    with torch.inference_mode():
+        assert _step(w1, KVCacheStepMetadata(loads=[ChunkTransfer("c", [(0, 5)], "r")], chunk_tokens=BS)) == {
+            5
+        }
+        assert (
+            _step(w0, KVCacheStepMetadata(loads=[ChunkTransfer("c", [(0, 5)], "r")], chunk_tokens=BS))
+            == set()
+        )
+    assert all(torch.equal(t[5], t[1]) for t in kv0.values())
+    w0.shutdown()
+    w1.shutdown()
