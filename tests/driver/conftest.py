@@ -6,6 +6,7 @@ actions, one per attempt (the last repeats), and ``body["cid"]`` names the
 request so the server can count attempts per id. Actions:
 
     ok            200 chat completion with usage
+    (a body with ``max_tokens: 1`` is the driver's health probe: answered ok, counted apart)
     slow:S        sleep S seconds, then ok
     hang:S        sleep S seconds (longer than the driver's timeout), then ok
     429           429 with an OpenAI error body, no Retry-After
@@ -15,6 +16,11 @@ request so the server can count attempts per id. Actions:
     drop          close the socket before answering
     partial       send headers and half the body, then close the socket
     nonjson       200 with a body that is not JSON
+    badusage      200 chat completion whose usage counts are not numbers
+
+Any action can be delayed: ``503@0.05`` waits 50 ms, then answers 503.
+``down()`` takes the whole server off its port (connections refused, open
+connections cut) and ``up()`` brings it back on the same port: an endpoint restart.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class FaultServer:
         self.attempts: dict[str, list[float]] = defaultdict(list)  # cid -> arrival times
         self.lock = threading.Lock()
         self.inflight = 0
+        self.canaries = 0  # health-probe replays, kept out of the per-id attempt counts
         self.max_inflight = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -51,24 +58,38 @@ class FaultServer:
         return self
 
     def stop(self) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-        fut.result(10)
+        if self._runner is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            fut.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    def down(self) -> None:
+        """Stop serving: the port refuses connections and open ones are cut."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(10)
+
+    def up(self) -> None:
+        """Serve again on the same port."""
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
+
+    async def _serve(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                                     shutdown_timeout=0.5)
-        self._loop.run_until_complete(self._runner.setup())
+        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=0.5)
+        await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        site = web.SockSite(self._runner, sock)
-        self._loop.run_until_complete(site.start())
+        await web.SockSite(runner, sock).start()
+        self._runner = runner
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._runner: web.AppRunner | None = None
+        self._loop.run_until_complete(self._serve())
         self._ready.set()
         self._loop.run_forever()
         self._loop.close()
@@ -102,11 +123,18 @@ class FaultServer:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         cid = body.get("cid", "?")
+        if body.get("max_tokens") == 1:  # the driver's health probe replaying an answered request
+            with self.lock:
+                self.canaries += 1
+            return web.json_response(_completion(cid, 0))
         with self.lock:
             self.attempts[cid].append(time.monotonic())
             attempt = len(self.attempts[cid])
         plan = body.get("fault") or ["ok"]
         action = plan[min(attempt, len(plan)) - 1]
+        action, _, delay = action.partition("@")
+        if delay:
+            await asyncio.sleep(float(delay))
         name, _, arg = action.partition(":")
         if name in ("slow", "hang"):
             await asyncio.sleep(float(arg))
@@ -125,6 +153,10 @@ class FaultServer:
         if name == "400":
             return web.json_response(_error("invalid_value", "messages must not be empty"), status=400,
                                      headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "badusage":
+            answer = _completion(cid, attempt)
+            answer["usage"] = {"prompt_tokens": "n/a", "completion_tokens": None, "total_tokens": [1]}
+            return web.json_response(answer, headers={"x-request-id": f"rq-{cid}-{attempt}"})
         if name == "nonjson":
             return web.Response(text="<html>proxy says hi</html>", content_type="text/html",
                                 headers={"x-request-id": f"rq-{cid}-{attempt}"})

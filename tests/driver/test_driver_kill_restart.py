@@ -9,7 +9,7 @@ import sys
 import time
 
 from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
-from aibrix_operators.driver.results import ResultLog, results_prefix
+from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.storage import LocalStorage
 
 N = 150
@@ -35,7 +35,7 @@ def test_killed_driver_resumes_and_merge_is_exactly_once(tmp_path, fault_server,
     work = work_prefix(out, "killed-run")
     (shard,) = split_batch(storage, batch, work, requests_per_shard=N, bytes_per_shard=1 << 30, max_shards=4)
     prefix = results_prefix(work, shard.name)
-    log = ResultLog(storage, prefix)
+    log = shard_result_log(storage, prefix, shard.uri)
 
     # Run 1: killed as soon as the first checkpoint segment is durable.
     first = subprocess.Popen(driver_cmd(shard, prefix, fault_server), cwd=tmp_path,

@@ -95,13 +95,19 @@ def test_missing_result_raises(storage, write_file, tmp_path, lines):
         merge_results(storage, shards, segments_of, str(tmp_path / "out"))
 
 
-def test_duplicate_result_raises(storage, write_file, tmp_path, lines):
+def test_repeated_answers_keep_the_first_and_are_counted(storage, write_file, tmp_path, lines):
     shards = make_shards(storage, write_file, tmp_path, lines(10), rps=4)
-    # the same id answered twice, in two different segments of one shard
-    segments_of = write_segments(storage, tmp_path, shards,
-                                 lambda ids: ids + ["req-9"] if "req-9" in ids else ids)
-    with pytest.raises(ExactlyOnceViolation, match=r"shard-00002: 1 custom_id\(s\) answered more than once"):
-        merge_results(storage, shards, segments_of, str(tmp_path / "out"))
+    # An overlapping attempt answered req-8 (first segment: success) again, later, as an error.
+    later = dumps(error_record("req-8", "timeout", "from the zombie attempt"))
+    segments_of = write_segments(storage, tmp_path, shards, lambda ids: ids, extra={2: [later, later]})
+    summary = merge_results(storage, shards, segments_of, str(tmp_path / "out"))
+    assert summary.duplicates_discarded == 2
+    assert summary.as_dict()["duplicates_discarded"] == 2
+    out = read_jsonl(storage, summary.output_uri)
+    errs = read_jsonl(storage, summary.errors_uri)
+    assert [r["custom_id"] for r in out].count("req-8") == 1
+    assert "req-8" not in [r["custom_id"] for r in errs]
+    assert (summary.total, summary.completed + summary.failed) == (10, 10)
 
 
 def test_unknown_result_raises(storage, write_file, tmp_path, lines):

@@ -26,7 +26,7 @@ from aibrix_operators.batch.records import (
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.progress import ProgressReporter
-from aibrix_operators.driver.results import ResultLog, results_prefix
+from aibrix_operators.driver.results import ResultLog, results_prefix, shard_result_log
 
 # OpenAI's Batch object fields (https://platform.openai.com/docs/api-reference/batch/object)
 BATCH_KEYS = {
@@ -131,7 +131,7 @@ def test_batch_steps_and_batch_json(storage, write_file, tmp_path, lines):
     shards = split_batch(storage, batch, work, requests_per_shard=3, bytes_per_shard=1 << 20, max_shards=10)
     assert [s.num_requests for s in shards] == [3, 3, 1]
     for s in shards:
-        log = ResultLog(storage, results_prefix(work, s.name))
+        log = shard_result_log(storage, results_prefix(work, s.name), s.uri)
         for raw in storage.read_bytes(s.uri).splitlines():
             cid = json.loads(raw)["custom_id"]
             if cid == "req-4":
@@ -158,7 +158,7 @@ def test_batch_steps_and_batch_json(storage, write_file, tmp_path, lines):
     out_ids = [json.loads(x)["custom_id"] for x in out_lines]
     assert out_ids == ["req-0", "req-1", "req-2", "req-3", "req-5", "req-6"]
     # a shard whose results went missing fails the finalize step loudly
-    for seg in ResultLog(storage, results_prefix(work, shards[1].name)).segments():
+    for seg in shard_result_log(storage, results_prefix(work, shards[1].name), shards[1].uri).segments():
         (tmp_path / seg).unlink()
     with pytest.raises(ExactlyOnceViolation):
         finalize_batch(storage, batch, shards, work)
@@ -166,7 +166,7 @@ def test_batch_steps_and_batch_json(storage, write_file, tmp_path, lines):
 
 def test_result_log_flushes_whole_segments_in_order(storage, tmp_path):
     prefix = str(tmp_path / "res")
-    log = ResultLog(storage, prefix, flush_interval_s=3600, flush_every=2)
+    log = ResultLog(storage, prefix, "b1", flush_interval_s=3600, flush_every=2)
     assert not log.due() and log.take_segment() is None
     log.append(dumps(success_record("a", 200, "r", {})))
     assert not log.due()
@@ -175,12 +175,14 @@ def test_result_log_flushes_whole_segments_in_order(storage, tmp_path):
     log.flush()
     log.append(dumps(success_record("c", 200, "r", {})))
     log.flush()
-    later = ResultLog(storage, prefix)  # a restarted driver's log sorts after
+    later = ResultLog(storage, prefix, "b1")  # a restarted driver's log sorts after
     later.append(dumps(success_record("d", 200, "r", {})))
     later.flush()
-    assert [cid for cid, _ in ResultLog(storage, prefix).iter_records()] == ["a", "b", "c", "d"]
-    assert ResultLog(storage, prefix).done_ids() == {"a", "b", "c", "d"}
+    assert [cid for cid, _ in ResultLog(storage, prefix, "b1").iter_records()] == ["a", "b", "c", "d"]
+    assert ResultLog(storage, prefix, "b1").done_ids() == {"a", "b", "c", "d"}
     assert len(log.segments()) == 3
+    # another binding (another shard content) sees none of them
+    assert ResultLog(storage, prefix, "b2").done_ids() == set()
 
 
 def test_driver_config():

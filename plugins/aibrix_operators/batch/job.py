@@ -25,11 +25,16 @@ from aibrix_operators.batch.failures import (
     storage_error_code,
 )
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
-from aibrix_operators.batch.records import BatchObject, new_batch_id, parse_completion_window
+from aibrix_operators.batch.records import (
+    EXPIRED_CODE,
+    BatchObject,
+    new_batch_id,
+    parse_completion_window,
+)
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
 from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.results import ResultLog, results_prefix
+from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import ShardOutcome, run_shard
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
@@ -174,18 +179,27 @@ def finalize_batch(
     work: str,
     in_progress_at: int | None = None,
 ) -> tuple[MergeSummary, BatchObject]:
+    """Merge every shard's results and publish ``batch.json``.
+
+    The status is ``expired`` (OpenAI's) when the completion window ended with
+    requests unanswered (``batch_expired`` error lines); the answers that did
+    come are in the output file either way.
+    """
     finalizing_at = int(time.time())
 
     def segments_of(shard: ShardSpec) -> list[str]:
-        return ResultLog(storage, results_prefix(work, shard.name)).segments()
+        return shard_result_log(storage, results_prefix(work, shard.name), shard.uri).segments()
 
     summary = merge_results(storage, shards, segments_of, batch.output_uri)
+    ended = int(time.time())
+    expired = summary.error_codes.get(EXPIRED_CODE, 0) > 0
     obj = BatchObject(
         id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
-        completion_window=batch.completion_window, status="completed",
+        completion_window=batch.completion_window, status="expired" if expired else "completed",
         output_file_id=summary.output_uri, error_file_id=summary.errors_uri,
         created_at=batch.created_at, in_progress_at=in_progress_at or batch.created_at,
-        expires_at=batch.expires_at, finalizing_at=finalizing_at, completed_at=int(time.time()),
+        expires_at=batch.expires_at, finalizing_at=finalizing_at,
+        completed_at=None if expired else ended, expired_at=ended if expired else None,
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
     )

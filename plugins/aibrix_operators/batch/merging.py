@@ -1,13 +1,17 @@
 """Merge shard results into ``output.jsonl``, ``errors.jsonl`` and ``batch.json``.
 
 This is where the exactly-once invariant is enforced: every input
-``custom_id`` appears exactly once across output ∪ errors. A missing, repeated
-or unknown id fails the merge loudly instead of publishing a wrong result.
+``custom_id`` appears exactly once across output ∪ errors. A request can be
+answered more than once when two attempts of a shard overlap (a zombie worker,
+an orphaned pod, a resend after a kill): the first answer in segment order —
+the earliest attempt's — is kept and the repeats are counted. A missing or
+unknown id fails the merge loudly instead of publishing a wrong result.
 Output is in input order; memory is bounded by one shard's results.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +23,7 @@ from aibrix_operators.storage import Storage, join_uri
 
 OUTPUT_FILE = "output.jsonl"
 ERRORS_FILE = "errors.jsonl"
+log = logging.getLogger(__name__)
 BATCH_FILE = "batch.json"
 
 
@@ -35,6 +40,7 @@ class MergeSummary:
     failed: int = 0
     usage: Usage = field(default_factory=Usage)
     error_codes: dict[str, int] = field(default_factory=dict)
+    duplicates_discarded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -43,14 +49,16 @@ class MergeSummary:
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "usage": self.usage.as_dict(),
             "error_codes": self.error_codes,
+            "duplicates_discarded": self.duplicates_discarded,
         }
 
 
 def _shard_results(
-    storage: Storage, shard: ShardSpec, segments: list[str]
-) -> dict[str, tuple[bytes, dict[str, Any]]]:
+    storage: Storage, segments: list[str]
+) -> tuple[dict[str, tuple[bytes, dict[str, Any]]], int]:
+    """The first answer per ``custom_id`` in segment order, and how many repeats were dropped."""
     results: dict[str, tuple[bytes, dict[str, Any]]] = {}
-    duplicates: list[str] = []
+    repeats = 0
     for uri in segments:
         for line in storage.read_bytes(uri).splitlines():
             if not line:
@@ -58,14 +66,10 @@ def _shard_results(
             record = loads(line)
             cid = record["custom_id"]
             if cid in results:
-                duplicates.append(cid)
+                repeats += 1
+                continue
             results[cid] = (line, record)
-    if duplicates:
-        raise ExactlyOnceViolation(
-            f"{shard.name}: {len(duplicates)} custom_id(s) answered more than once, e.g. "
-            f"{duplicates[:5]}; results under the shard's results prefix are inconsistent"
-        )
-    return results
+    return results, repeats
 
 
 def merge_results(
@@ -78,7 +82,11 @@ def merge_results(
     summary = MergeSummary(join_uri(output_prefix, OUTPUT_FILE), join_uri(output_prefix, ERRORS_FILE))
     with storage.open_write(summary.output_uri) as out, storage.open_write(summary.errors_uri) as errs:
         for shard in sorted(shards, key=lambda s: s.index):
-            results = _shard_results(storage, shard, segments_of(shard))
+            results, repeats = _shard_results(storage, segments_of(shard))
+            if repeats:
+                log.warning("%s: %d repeated answer(s) from overlapping attempts discarded; the "
+                            "first answer per custom_id is kept", shard.name, repeats)
+                summary.duplicates_discarded += repeats
             missing: list[str] = []
             with storage.open_read(shard.uri) as src:
                 for raw in src:

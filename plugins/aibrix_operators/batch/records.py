@@ -16,6 +16,8 @@ SUPPORTED_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions
 DEFAULT_MAX_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+# The error code of a request the completion window ended before it was answered.
+EXPIRED_CODE = "batch_expired"
 
 
 def new_request_record_id() -> str:
@@ -69,14 +71,19 @@ class Usage:
     cached_tokens: int = 0
 
     def add_response_body(self, body: Any) -> None:
+        """Add a response's ``usage``; a missing or malformed one counts as zero, never raises.
+
+        Whatever a server answers must end as a result line, so a ``"prompt_tokens": "n/a"``
+        only loses that response's share of the totals.
+        """
         usage = body.get("usage") if isinstance(body, dict) else None
         if not isinstance(usage, dict):
             return
-        self.input_tokens += int(usage.get("prompt_tokens") or 0)
-        self.output_tokens += int(usage.get("completion_tokens") or 0)
+        self.input_tokens += _token_count(usage.get("prompt_tokens"))
+        self.output_tokens += _token_count(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
-            self.cached_tokens += int(details.get("cached_tokens") or 0)
+            self.cached_tokens += _token_count(details.get("cached_tokens"))
 
     def merge(self, other: Usage) -> None:
         self.input_tokens += other.input_tokens
@@ -91,6 +98,15 @@ class Usage:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.input_tokens + self.output_tokens,
         }
+
+
+def _token_count(value: Any) -> int:
+    # bool is an int subclass; a count is a non-negative whole number below 2**53.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    if value != value or not 0 <= value < 2**53:  # NaN, negative, infinite or absurd
+        return 0
+    return int(value)
 
 
 @dataclass

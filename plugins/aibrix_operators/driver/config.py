@@ -35,12 +35,29 @@ class DriverConfig:
     # has this origin, so a trigger that names another endpoint never receives it. For the
     # env key, None means "${api_key_env}_ORIGIN" (e.g. OPENAI_API_KEY_ORIGIN).
     api_key_origin: str | None = None
+    # Outage handling (driver/health.py): this many infrastructure failures in a row pause
+    # every request while the endpoint is probed every probe_interval_s; no answer for
+    # outage_budget_s fails the shard without recording the unanswered requests.
+    breaker_failures: int = 5
+    probe_interval_s: float = 2.0
+    outage_budget_s: float = 900.0
+    # Checkpoint durability (driver/checkpoint.py): a failing store is retried this long,
+    # and workers pause once this many answers wait in memory for it.
+    checkpoint_retry_s: float = 120.0
+    max_unflushed: int = 20_000
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("breaker_failures", "max_unflushed", "flush_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("probe_interval_s", "outage_budget_s", "checkpoint_retry_s", "flush_interval_s",
+                     "request_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(
                 f"endpoint {self.endpoint!r} must be an http(s):// base URL of an "

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.jsonfast import dumps, loads
 from aibrix_operators.driver.config import DriverConfig
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,43 @@ async def _list_models(session: aiohttp.ClientSession, url: str) -> dict[str, An
         if resp.status != 200:
             return None  # not every OpenAI-compatible server lists models; don't block on it
         return await resp.json(content_type=None)
+
+
+async def probe_endpoint(
+    session: aiohttp.ClientSession, config: DriverConfig, canary: tuple[str, bytes] | None = None
+) -> str | None:
+    """One health check: ``None`` when the endpoint serves, else what went wrong.
+
+    With a ``canary`` — a request this endpoint already answered, as ``(url, body)`` — the
+    check replays it, cut to one output token: that proves the whole serving path (a router
+    whose backends are gone still lists models). Without one, ``GET /v1/models``; any answer
+    below 500 counts there, since not every server lists models.
+    """
+    probe_s = min(config.request_timeout_s, max(config.connect_timeout_s, 10.0) * 3)
+    timeout = aiohttp.ClientTimeout(total=probe_s)
+    url = config.base_url + "/v1/models"
+    try:
+        if canary is not None:
+            url = canary[0]
+            async with session.post(url, data=_one_token(url, canary[1]), timeout=timeout) as resp:
+                await resp.read()
+                if resp.status >= 500 or resp.status in (408, 429):
+                    return f"replaying an answered request to {url} got HTTP {resp.status}"
+                return None
+        async with session.get(url, timeout=timeout) as resp:
+            await resp.read()
+            return f"{url} answered HTTP {resp.status}" if resp.status >= 500 else None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"{url}: {type(exc).__name__}: {exc}"
+
+
+def _one_token(url: str, payload: bytes) -> bytes:
+    if not url.endswith("completions"):
+        return payload  # embeddings: already one cheap step
+    body = loads(payload)
+    body.pop("max_completion_tokens", None)
+    body.update(max_tokens=1, n=1, stream=False)
+    return dumps(body)
 
 
 async def check_endpoint(config: DriverConfig, model: str | None, wait_s: float = 0.0) -> None:

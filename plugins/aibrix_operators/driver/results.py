@@ -6,41 +6,94 @@ not at all (local: temp file + rename; S3: one PUT). Killing the driver loses
 at most the unflushed buffer, and a restarted driver reads every segment to
 skip the ``custom_id``s already answered. The same layout works on a local
 disk and on S3, so a Kubernetes driver pod checkpoints to S3 unchanged.
+
+Layout: ``<results prefix>/<binding>/seg-<attempt>-<seq>.jsonl``.
+
+- ``binding`` is a digest of the shard's bytes: a shard re-split from an edited
+  input gets a new binding, so answers to the old requests are never reused.
+  (Re-validating an *unchanged* file keeps its answers: they answer the same
+  requests.)
+- ``attempt`` is unique per driver run and sorts by start time: two attempts that
+  overlap (a zombie worker, an orphaned pod) write distinct segments, and merge
+  keeps the first answer per ``custom_id`` in segment order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.storage import Storage, join_uri
 
 SEGMENT_SUFFIX = ".jsonl"
+_DIGEST_CHUNK = 1 << 20
 
 
 def results_prefix(work_prefix: str, shard_name: str) -> str:
     return join_uri(work_prefix, "results", shard_name)
 
 
+@dataclass(frozen=True)
+class ShardFingerprint:
+    """What a shard's results are bound to: its bytes' digest, and its request count."""
+
+    binding: str
+    requests: int
+
+
+def fingerprint_shard(storage: Storage, shard_uri: str) -> ShardFingerprint:
+    """One streaming pass over the shard: its content digest and non-blank line count."""
+    digest = hashlib.blake2b(digest_size=12)
+    requests = 0
+    tail = b""
+    with storage.open_read(shard_uri) as src:
+        while chunk := src.read(_DIGEST_CHUNK):
+            digest.update(chunk)
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            requests += sum(1 for line in lines if line.strip())
+    if tail.strip():
+        requests += 1
+    return ShardFingerprint(digest.hexdigest(), requests)
+
+
+def shard_result_log(storage: Storage, prefix: str, shard_uri: str) -> ResultLog:
+    """The result log bound to the shard's current content (what merge and tests read)."""
+    return ResultLog(storage, prefix, fingerprint_shard(storage, shard_uri).binding)
+
+
+def new_attempt_id() -> str:
+    # Start time first, so a later attempt's segments sort after an earlier one's.
+    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+
+
 class ResultLog:
     def __init__(
-        self, storage: Storage, prefix: str, flush_interval_s: float = 1.0, flush_every: int = 1000
+        self,
+        storage: Storage,
+        prefix: str,
+        binding: str,
+        flush_interval_s: float = 1.0,
+        flush_every: int = 1000,
+        attempt_id: str | None = None,
     ) -> None:
         self.storage = storage
-        self.prefix = prefix
+        self.prefix = join_uri(prefix, binding)
         self.flush_interval_s = flush_interval_s
         self.flush_every = flush_every
-        # Segment names sort by writer start time, then sequence: a resumed driver's
-        # segments sort after the killed one's.
-        self._writer = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+        self.attempt_id = attempt_id or new_attempt_id()
         self._seq = 0
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
 
     def segments(self) -> list[str]:
-        return [u for u in self.storage.list(self.prefix) if u.endswith(SEGMENT_SUFFIX)]
+        """This binding's segments, oldest attempt first (the order merge reads them in)."""
+        found = [u for u in self.storage.list(self.prefix) if u.endswith(SEGMENT_SUFFIX)]
+        return sorted(found, key=lambda u: u.rsplit("/", 1)[-1])
 
     def iter_records(self) -> Iterator[tuple[str, bytes]]:
         """Every stored result line as ``(custom_id, line)``, in segment order."""
@@ -55,6 +108,9 @@ class ResultLog:
     def append(self, line: bytes) -> None:
         self._buffer.append(line)
 
+    def buffered(self) -> int:
+        return len(self._buffer)
+
     def due(self) -> bool:
         return bool(self._buffer) and (
             len(self._buffer) >= self.flush_every
@@ -62,12 +118,15 @@ class ResultLog:
         )
 
     def take_segment(self) -> tuple[str, bytes] | None:
-        """Detach the buffered lines as one segment to write; ``None`` when empty."""
+        """Detach the buffered lines as one segment to write; ``None`` when empty.
+
+        The caller owns the bytes until its write succeeds (see ``CheckpointWriter``).
+        """
         self._last_flush = time.monotonic()
         if not self._buffer:
             return None
         self._seq += 1
-        uri = join_uri(self.prefix, f"seg-{self._writer}-{self._seq:06d}{SEGMENT_SUFFIX}")
+        uri = join_uri(self.prefix, f"seg-{self.attempt_id}-{self._seq:06d}{SEGMENT_SUFFIX}")
         data = b"\n".join(self._buffer) + b"\n"
         self._buffer = []
         return uri, data

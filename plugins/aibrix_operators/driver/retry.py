@@ -10,10 +10,16 @@ import aiohttp
 # 408 Request Timeout, 429 Too Many Requests and 5xx; every other 4xx is the request's
 # own fault and would fail the same way again.
 RETRYABLE_STATUS = frozenset({408, 429})
+# The server is alive and asks us to slow down: waited out, never charged to the request.
+BACKPRESSURE_STATUS = frozenset({408, 429})
 
 
 def is_retryable_status(status: int) -> bool:
     return status in RETRYABLE_STATUS or 500 <= status <= 599
+
+
+def is_backpressure_status(status: int) -> bool:
+    return status in BACKPRESSURE_STATUS
 
 
 def is_retryable_exception(exc: BaseException) -> bool:

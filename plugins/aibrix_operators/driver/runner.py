@@ -1,4 +1,13 @@
-"""Run one shard: bounded-concurrency asyncio HTTP with retries and checkpoints."""
+"""Run one shard: bounded-concurrency asyncio HTTP with retries, an outage breaker and checkpoints.
+
+Failure rules (ARCHITECTURE.md §5): a request ends as an error line only for a
+reason of its own — a 4xx other than 408/429, a 5xx or garbled answer that keeps
+coming back while the endpoint answers other requests, or the batch's deadline.
+An endpoint outage pauses the shard (``health.EndpointOutage`` past the budget)
+and a store that will not take checkpoints fails it
+(``checkpoint.CheckpointWriteFailed``); either way the unanswered requests are
+not recorded, so a retry of the task sends them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -13,13 +23,17 @@ from typing import Any
 import aiohttp
 
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
-from aibrix_operators.batch.records import Usage, error_record, success_record
+from aibrix_operators.batch.records import EXPIRED_CODE, Usage, error_record, success_record
+from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
 from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.health import EndpointHealth
+from aibrix_operators.driver.preflight import probe_endpoint
 from aibrix_operators.driver.progress import ProgressReporter
-from aibrix_operators.driver.results import ResultLog
+from aibrix_operators.driver.results import ResultLog, fingerprint_shard
 from aibrix_operators.driver.retry import (
     backoff_delay,
     exception_code,
+    is_backpressure_status,
     is_retryable_exception,
     is_retryable_status,
     parse_retry_after,
@@ -27,6 +41,10 @@ from aibrix_operators.driver.retry import (
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+class ShardChanged(Exception):
+    """The shard does not hold the requests the task was planned for."""
 
 
 @dataclass
@@ -41,6 +59,10 @@ class ShardOutcome:
     retries: int = 0
     elapsed_s: float = 0.0
     usage: dict[str, Any] = field(default_factory=dict)
+    attempt_id: str = ""
+    outages: int = 0  # times the breaker paused the shard
+    paused_s: float = 0.0
+    checkpoint_write_retries: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,52 +90,108 @@ async def run_shard(
     """
     name = name or shard_uri.rsplit("/", 1)[-1]
     started = time.monotonic()
-    result_log = ResultLog(storage, results_prefix, config.flush_interval_s, config.flush_every)
+    fingerprint = await asyncio.to_thread(fingerprint_shard, storage, shard_uri)
+    if total is not None and total != fingerprint.requests:
+        raise ShardChanged(
+            f"{shard_uri} holds {fingerprint.requests} requests but {name} was planned with {total}; "
+            "the shard was rewritten after this task was planned: clear the split task too"
+        )
+    total = fingerprint.requests
+    result_log = ResultLog(
+        storage, results_prefix, fingerprint.binding, config.flush_interval_s, config.flush_every
+    )
     done = await asyncio.to_thread(result_log.done_ids)
-    if total is None:
-        total = await asyncio.to_thread(_count_lines, storage, shard_uri)
-    outcome = ShardOutcome(shard=name, total=total, resumed=len(done))
+    outcome = ShardOutcome(shard=name, total=total, resumed=len(done), attempt_id=result_log.attempt_id)
     if done:
         log.info("%s: resuming, %d of %d requests already answered", name, len(done), total)
 
     counters = _Counters()
     progress = ProgressReporter(name, total, config.progress_interval_s, already_done=len(done))
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, connect=config.connect_timeout_s)
-    connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency)
-    headers = config.headers()
-    with storage.open_read(shard_uri) as src:
-        requests = _pending_requests(src, done)
-        async with aiohttp.ClientSession(
-            timeout=timeout, connector=connector, headers=headers, json_serialize=None
-        ) as session:
-            sender = _Sender(session, config, counters)
-            stop_flusher = asyncio.Event()
-            flusher = asyncio.create_task(_flush_loop(result_log, storage, stop_flusher))
-            reporter = asyncio.create_task(progress.run(lambda: (counters.completed, counters.failed)))
-            try:
-                workers = [
-                    asyncio.create_task(_worker(requests, sender, result_log, counters, config))
-                    for _ in range(config.concurrency)
-                ]
-                await asyncio.gather(*workers)
-            finally:
-                stop_flusher.set()
-                await flusher
-                reporter.cancel()
-    await asyncio.to_thread(result_log.flush)
-    progress.report(counters.completed, counters.failed, final=True)
-
-    outcome.completed = counters.completed
-    outcome.failed = counters.failed
-    outcome.retries = counters.retries
-    outcome.elapsed_s = round(time.monotonic() - started, 3)
-    outcome.usage = counters.usage.as_dict()
+    writer = CheckpointWriter(
+        result_log, retry_timeout_s=config.checkpoint_retry_s,
+        max_unflushed=max(config.max_unflushed, config.concurrency),
+    )
+    try:
+        with storage.open_read(shard_uri) as src:
+            await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome)
+    finally:
+        outcome.completed = counters.completed
+        outcome.failed = counters.failed
+        outcome.retries = counters.retries
+        outcome.elapsed_s = round(time.monotonic() - started, 3)
+        outcome.usage = counters.usage.as_dict()
+        outcome.checkpoint_write_retries = writer.write_retries
+        progress.report(counters.completed, counters.failed, final=True)
     return outcome
 
 
-def _count_lines(storage: Storage, uri: str) -> int:
-    with storage.open_read(uri) as src:
-        return sum(1 for line in src if line.strip())
+async def _send_all(
+    requests: Iterator[dict[str, Any]],
+    config: DriverConfig,
+    counters: _Counters,
+    writer: CheckpointWriter,
+    progress: ProgressReporter,
+    outcome: ShardOutcome,
+) -> None:
+    """Workers, checkpoint writer, breaker probe and progress in one task group: the first
+    failure cancels the rest, and the sessions close once."""
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, connect=config.connect_timeout_s)
+    connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency)
+    headers = config.headers()
+    async with (
+        aiohttp.ClientSession(
+            timeout=timeout, connector=connector, headers=headers, json_serialize=None
+        ) as session,
+        aiohttp.ClientSession(headers=headers) as probe_session,  # never queues behind requests
+    ):
+        health = EndpointHealth(
+            lambda: probe_endpoint(probe_session, config, health.canary),
+            failure_threshold=config.breaker_failures, outage_budget_s=config.outage_budget_s,
+            probe_interval_s=config.probe_interval_s, endpoint=config.base_url,
+        )
+        sender = _Sender(session, config, counters, health)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                write_task = tg.create_task(writer.run())
+                probe_task = tg.create_task(health.run())
+                report_task = tg.create_task(
+                    progress.run(lambda: (counters.completed, counters.failed))
+                )
+                workers = [
+                    tg.create_task(_worker(requests, sender, writer, counters))
+                    for _ in range(config.concurrency)
+                ]
+                await asyncio.wait(workers)
+                writer.close()
+                probe_task.cancel()
+                report_task.cancel()
+                await write_task
+        except BaseExceptionGroup as group:
+            cause = _first_cause(group)
+            if not isinstance(cause, CheckpointWriteFailed):
+                await _flush_what_is_left(writer)
+            raise cause from None
+        finally:
+            outcome.outages = health.outages
+            outcome.paused_s = round(health.paused_s, 3)
+
+
+def _first_cause(group: BaseExceptionGroup) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_cause(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
+
+
+async def _flush_what_is_left(writer: CheckpointWriter) -> None:
+    """After a failure, keep the answers already in memory, so the retry re-sends less."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(writer.log.flush), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - the shard is failing anyway; say what is lost
+        log.warning("could not write %d buffered answers after the failure (%s); they will be re-sent",
+                    writer.log.buffered(), exc)
 
 
 def _pending_requests(src: Any, done: set[str]) -> Iterator[dict[str, Any]]:
@@ -128,100 +206,157 @@ def _pending_requests(src: Any, done: set[str]) -> Iterator[dict[str, Any]]:
 async def _worker(
     requests: Iterator[dict[str, Any]],
     sender: _Sender,
-    result_log: ResultLog,
+    writer: CheckpointWriter,
     counters: _Counters,
-    config: DriverConfig,
 ) -> None:
     # Workers share one iterator; asyncio switches only at awaits, so next() is safe.
-    for record in requests:
-        if config.deadline is not None and time.time() >= config.deadline:
-            line = error_record(
-                record["custom_id"], "batch_expired",
-                "the batch's completion window ended before this request was sent",
-            )
-        else:
-            line = await sender.send(record)
+    while True:
+        await writer.wait_for_room()
+        record = next(requests, None)
+        if record is None:
+            return
+        line = await sender.send(record)
+        try:
+            data = dumps(line)
+        except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
+            line = error_record(record["custom_id"], "invalid_response_body",
+                                f"the server's answer cannot be stored as JSON: {exc}")
+            data = dumps(line)
         if line["error"] is None:
             counters.completed += 1
         else:
             counters.failed += 1
-        result_log.append(dumps(line))
+        writer.log.append(data)
 
 
-async def _flush_loop(result_log: ResultLog, storage: Storage, stop: asyncio.Event) -> None:
-    # Writes happen in a thread so a slow disk or S3 never stalls the HTTP loop.
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=min(0.2, result_log.flush_interval_s))
-        except TimeoutError:
-            pass
-        if result_log.due():
-            segment = result_log.take_segment()
-            if segment is not None:
-                await asyncio.to_thread(storage.write_bytes, *segment)
+@dataclass
+class _Failure:
+    """An attempt that may succeed if tried again; becomes an error line only if it is the request's."""
+
+    code: str
+    message: str
+    status: int | None = None
+    request_id: str | None = None
+    body: Any = None
+    retry_after: float | None = None
+    backpressure: bool = False  # 408/429: the server is fine and asks us to wait
+
+    def as_record(self, custom_id: str, attempts: int) -> dict[str, Any]:
+        suffix = f" (after {attempts} attempt{'s' * (attempts > 1)})"
+        return error_record(custom_id, self.code, self.message + suffix, self.status, self.request_id,
+                            self.body)
 
 
 class _Sender:
-    def __init__(self, session: aiohttp.ClientSession, config: DriverConfig, counters: _Counters) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, config: DriverConfig, counters: _Counters,
+        health: EndpointHealth,
+    ) -> None:
         self.session = session
         self.config = config
         self.counters = counters
+        self.health = health
         self.base_url = config.base_url
 
     async def send(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The request's result line: a success, or an error that belongs to the request."""
         custom_id = record["custom_id"]
         url = self.base_url + record["url"]
         payload = dumps(record["body"])
-        cfg = self.config
-        for attempt in range(1, cfg.max_attempts + 1):
-            try:
-                async with self.session.post(url, data=payload) as resp:
-                    status = resp.status
-                    raw = await resp.read()
-                    request_id = resp.headers.get("x-request-id")
-                    retry_after = parse_retry_after(resp.headers.get("retry-after"))
-            except Exception as exc:  # noqa: BLE001 - classified just below
-                if not is_retryable_exception(exc):
-                    return error_record(custom_id, exception_code(exc), _describe(exc, attempt))
-                if attempt < cfg.max_attempts:
-                    await self._backoff(attempt, None)
+        cfg, health = self.config, self.health
+        charged = 0  # failed attempts charged to this request
+        attempts = 0
+        # health.successes at the start of the previous and the current attempt
+        marks: deque[int] = deque(maxlen=2)
+        last: _Failure | None = None
+        while True:
+            if not await health.wait_closed(self._until_deadline()) or self._past_deadline():
+                return _expired(custom_id, last)
+            marks.append(health.successes)
+            attempts += 1
+            result = await self._attempt(custom_id, url, payload)
+            if isinstance(result, dict):
+                health.answered()
+                if result["error"] is None:
+                    health.canary = (url, payload)
+                return result
+            last = result
+            health.failed(result.code)
+            if not result.backpressure:
+                charged += 1
+                if charged >= cfg.max_attempts:
+                    # Its own fault if the endpoint answered others meanwhile, or passes its
+                    # health check now; otherwise the endpoint is down and nothing is charged.
+                    if health.successes > marks[0]:
+                        return result.as_record(custom_id, attempts)
+                    problem = await health.check()
+                    if problem is None:
+                        return result.as_record(custom_id, attempts)
+                    health.open(f"{custom_id} failed {charged} times with {result.code}, and {problem}")
+                    charged = 0
                     continue
-                return error_record(custom_id, exception_code(exc), _describe(exc, attempt))
+            self.counters.retries += 1
+            delay = backoff_delay(attempts, cfg.backoff_base_s, cfg.backoff_max_s, result.retry_after)
+            remaining = self._until_deadline()
+            await asyncio.sleep(delay if remaining is None else min(delay, remaining))
 
-            if 200 <= status < 300:
-                try:
-                    body = loads(raw)
-                except JSONDecodeError:
-                    return error_record(
-                        custom_id, "invalid_response_body",
-                        f"server answered {status} with a body that is not JSON: {raw[:200]!r}",
-                        status, request_id, raw[:2000].decode("utf-8", "replace"),
-                    )
-                self.counters.usage.add_response_body(body)
-                return success_record(custom_id, status, request_id or _body_id(body), body)
-            if is_retryable_status(status) and attempt < cfg.max_attempts:
-                await self._backoff(attempt, retry_after)
-                continue
-            body = _parse_error_body(raw)
-            code, message = _error_of(status, body, attempt)
-            return error_record(custom_id, code, message, status, request_id, body)
-        raise AssertionError("unreachable: the loop always returns")
+    def _past_deadline(self) -> bool:
+        return self.config.deadline is not None and time.time() >= self.config.deadline
 
-    async def _backoff(self, attempt: int, retry_after: float | None) -> None:
-        self.counters.retries += 1
-        cfg = self.config
-        await asyncio.sleep(backoff_delay(attempt, cfg.backoff_base_s, cfg.backoff_max_s, retry_after))
+    def _until_deadline(self) -> float | None:
+        if self.config.deadline is None:
+            return None
+        return max(self.config.deadline - time.time(), 0.0)
+
+    async def _attempt(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | _Failure:
+        try:
+            async with self.session.post(url, data=payload) as resp:
+                status = resp.status
+                raw = await resp.read()
+                request_id = resp.headers.get("x-request-id")
+                retry_after = parse_retry_after(resp.headers.get("retry-after"))
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if not is_retryable_exception(exc):
+                # Not the network and not the server: a bug or an unsendable body.
+                return error_record(custom_id, exception_code(exc), _describe(exc))
+            return _Failure(exception_code(exc), _describe(exc))
+
+        if 200 <= status < 300:
+            try:
+                body = loads(raw)
+            except JSONDecodeError:
+                body = None
+            if not isinstance(body, dict):
+                # A proxy's page or a half-written answer: the infrastructure's, worth a retry.
+                return _Failure(
+                    "invalid_response_body",
+                    f"server answered {status} with a body that is not a JSON object: {raw[:200]!r}",
+                    status, request_id, raw[:2000].decode("utf-8", "replace"),
+                )
+            self.counters.usage.add_response_body(body)
+            return success_record(custom_id, status, request_id or _body_id(body), body)
+        body = _parse_error_body(raw)
+        code, message = _error_of(status, body)
+        if is_retryable_status(status):
+            return _Failure(code, message, status, request_id, body, retry_after,
+                            backpressure=is_backpressure_status(status))
+        return error_record(custom_id, code, message, status, request_id, body)
 
 
-def _describe(exc: BaseException, attempts: int) -> str:
+def _expired(custom_id: str, last: _Failure | None) -> dict[str, Any]:
+    message = "the batch's completion window ended before this request was answered"
+    if last is not None:
+        message += f"; its last attempt failed with {last.code}: {last.message}"
+    return error_record(custom_id, EXPIRED_CODE, message)
+
+
+def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text} (after {attempts} attempt{'s' * (attempts > 1)})"
+    return f"{type(exc).__name__}: {text}"
 
 
-def _body_id(body: Any) -> str:
-    if isinstance(body, dict) and isinstance(body.get("id"), str):
-        return body["id"]
-    return f"req-{uuid.uuid4().hex}"
+def _body_id(body: dict[str, Any]) -> str:
+    return body["id"] if isinstance(body.get("id"), str) else f"req-{uuid.uuid4().hex}"
 
 
 def _parse_error_body(raw: bytes) -> Any:
@@ -231,7 +366,7 @@ def _parse_error_body(raw: bytes) -> Any:
         return raw[:2000].decode("utf-8", "replace")
 
 
-def _error_of(status: int, body: Any, attempts: int) -> tuple[str, str]:
+def _error_of(status: int, body: Any) -> tuple[str, str]:
     """OpenAI-style servers put ``{"error": {"code", "message"}}`` in error bodies; use it."""
     detail = body.get("error") if isinstance(body, dict) else None
     if isinstance(detail, dict):
@@ -239,6 +374,4 @@ def _error_of(status: int, body: Any, attempts: int) -> tuple[str, str]:
         message = detail.get("message") or f"HTTP {status}"
     else:
         code, message = f"http_{status}", f"HTTP {status}: {str(body)[:500]}"
-    if attempts > 1:
-        message = f"{message} (after {attempts} attempts)"
-    return str(code), str(message)
+    return str(code)[:200], str(message)[:2000]

@@ -1,0 +1,132 @@
+"""Tell a sick endpoint from a sick request: the shard's circuit breaker.
+
+A request that fails on its own (a 4xx, or a 5xx while the server answers
+everyone else) ends as an error line after its bounded retries. When many
+requests fail at once with transport errors, 5xx or garbled answers, the
+endpoint is the problem: the breaker opens, every worker stops sending, and one
+probe (the preflight's health check) polls the endpoint until it answers again.
+Attempts that failed during an outage are not charged to their requests.
+
+When a request has used its retries and nobody else was answered meanwhile (the
+last requests of a shard have no one else), :meth:`EndpointHealth.check` decides:
+if the endpoint passes its health check, the failure is the request's own.
+
+If the endpoint gives no successful answer for ``outage_budget_s``, the shard
+fails with :class:`EndpointOutage` *without* checkpointing the unanswered
+requests, so an Airflow retry (or a re-run of the driver) sends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class EndpointOutage(Exception):
+    """The endpoint gave no answer for longer than the outage budget; nothing unanswered was recorded."""
+
+
+class EndpointHealth:
+    """Shared by a shard's workers; :meth:`run` is the probe loop (one task per shard)."""
+
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[str | None]],
+        *,
+        failure_threshold: int,
+        outage_budget_s: float,
+        probe_interval_s: float,
+        endpoint: str,
+    ) -> None:
+        self._probe = probe
+        self.failure_threshold = failure_threshold
+        self.outage_budget_s = outage_budget_s
+        self.probe_interval_s = probe_interval_s
+        self.endpoint = endpoint
+        # Successful answers so far: a request compares it across its own attempts to learn
+        # whether the endpoint served others while it kept failing.
+        self.successes = 0
+        self.outages = 0
+        # The last request the endpoint answered, as (url, body): the probe replays it.
+        self.canary: tuple[str, bytes] | None = None
+        self.paused_s = 0.0
+        self._streak = 0
+        self._last_answer = time.monotonic()
+        self._closed = asyncio.Event()
+        self._closed.set()
+        self._opened = asyncio.Event()
+        self._opened_at = 0.0
+        self._reason = ""
+        self._check: asyncio.Future[str | None] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed.is_set()
+
+    def answered(self) -> None:
+        """The endpoint handled a request (a success, or a rejection of the request itself)."""
+        self.successes += 1
+        self._streak = 0
+        self._last_answer = time.monotonic()
+
+    def failed(self, reason: str) -> None:
+        """An infrastructure-looking failure (transport, 408/429, 5xx, garbled answer)."""
+        self._streak += 1
+        if self._streak >= self.failure_threshold:
+            self.open(f"{self._streak} requests in a row failed, the last with {reason}")
+
+    def open(self, reason: str) -> None:
+        if self.is_open:
+            return
+        self.outages += 1
+        self._opened_at = time.monotonic()
+        self._reason = reason
+        self._closed.clear()
+        self._opened.set()
+        log.warning("endpoint %s looks unavailable (%s): pausing all requests and probing it",
+                    self.endpoint, reason)
+
+    async def check(self) -> str | None:
+        """Probe now (callers at the same moment share one probe); ``None`` when healthy."""
+        if self._check is None or self._check.done():
+            self._check = asyncio.ensure_future(self._probe())
+        return await asyncio.shield(self._check)
+
+    async def wait_closed(self, timeout_s: float | None) -> bool:
+        """Wait until sending may go on; ``False`` when ``timeout_s`` passed first."""
+        if self._closed.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Probe while the breaker is open; raise :class:`EndpointOutage` past the budget."""
+        while True:
+            await self._opened.wait()
+            while True:
+                silent_s = time.monotonic() - self._last_answer
+                if silent_s >= self.outage_budget_s:
+                    raise EndpointOutage(
+                        f"the inference endpoint {self.endpoint} answered no request for "
+                        f"{silent_s:.0f}s (outage budget {self.outage_budget_s:.0f}s; last failure: "
+                        f"{self._reason}). Unanswered requests were not recorded: retrying the task "
+                        "sends them once the endpoint is back"
+                    )
+                problem = await self.check()
+                if problem is None:
+                    break
+                await asyncio.sleep(min(self.probe_interval_s, self.outage_budget_s - silent_s))
+            paused = time.monotonic() - self._opened_at
+            self.paused_s += paused
+            self._streak = 0
+            self._opened.clear()
+            self._closed.set()
+            log.warning("endpoint %s answers its health check again after %.1fs: resuming",
+                        self.endpoint, paused)
