@@ -35,7 +35,12 @@ class KVCacheSettings:
     # L2: shared between processes; "none", "fs" or "redis".
     l2_backend: str = "none"
     l2_fs_path: str = ""
+    # No password here: this dict travels on vLLM's command line. The password comes from
+    # the environment variable named by l2_redis_password_env, else from the file
+    # l2_redis_password_file (a mounted secret).
     l2_redis_url: str = "redis://127.0.0.1:6379/0"
+    l2_redis_password_env: str = "KVCACHE_REDIS_PASSWORD"
+    l2_redis_password_file: str = ""
     # Seconds a Redis operation may take before the tier is treated as down.
     l2_redis_timeout_s: float = 0.5
     # After a Redis failure, skip Redis for this long (then try again).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvcache.config import KVCacheSettings
+from kvcache.secrets import read_secret
 from kvcache.tiers.base import L2Store, TierUnavailable
 from kvcache.tiers.fs import FilesystemStore
 from kvcache.tiers.l1 import L1Pool
@@ -16,5 +17,8 @@ def make_l2(settings: KVCacheSettings) -> L2Store | None:
     if settings.l2_backend == "fs":
         return FilesystemStore(settings.l2_fs_path)
     if settings.l2_backend == "redis":
-        return RedisStore(settings.l2_redis_url, settings.l2_redis_timeout_s, settings.l2_redis_retry_s)
+        password = read_secret(settings.l2_redis_password_env, settings.l2_redis_password_file)
+        return RedisStore(
+            settings.l2_redis_url, settings.l2_redis_timeout_s, settings.l2_redis_retry_s, password
+        )
     return None

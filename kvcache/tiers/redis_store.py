@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from urllib.parse import urlsplit
 
 import redis
 
+from kvcache.secrets import mask_text, mask_url
 from kvcache.tiers.base import TierUnavailable
 
 # Under "vllm." so that records reach the handlers vLLM configures in its processes.
@@ -22,12 +24,27 @@ log = logging.getLogger(f"vllm.{__name__}")
 class RedisStore:
     name = "redis"
 
-    def __init__(self, url: str, timeout_s: float = 0.5, retry_s: float = 1.0) -> None:
-        self.url = url
+    def __init__(
+        self, url: str, timeout_s: float = 0.5, retry_s: float = 1.0, password: str | None = None
+    ) -> None:
+        # Only the masked URL is kept: every log line and error names this one.
+        self.url = mask_url(url)
+        self._secrets = (urlsplit(url).password, password)
         self.retry_s = retry_s
+        # A password in the URL wins over ``password`` (redis-py's rule for from_url).
         self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+            url,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
         )
+        if self._secrets[0]:
+            log.warning(
+                "kvcache: the Redis password is in l2_redis_url, i.e. on vLLM's command line; "
+                "set it through l2_redis_password_env or l2_redis_password_file instead"
+            )
+        log.info("kvcache: Redis L2 at %s", self.url)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._down = False
@@ -39,13 +56,14 @@ class RedisStore:
             raise TierUnavailable("redis marked down")
 
     def _failed(self, exc: Exception) -> TierUnavailable:
+        reason = mask_text(str(exc), *self._secrets)
         with self._lock:
             self.failures += 1
             self._down_until = time.monotonic() + self.retry_s
             if not self._down:
                 self._down = True
-                log.warning("kvcache: Redis L2 at %s unreachable (%s); treating as misses", self.url, exc)
-        return TierUnavailable(str(exc))
+                log.warning("kvcache: Redis L2 at %s unreachable (%s); treating as misses", self.url, reason)
+        return TierUnavailable(reason)
 
     def _ok(self) -> None:
         if self._down:

@@ -15,21 +15,29 @@ from kvcache.launch import free_port
 class RedisServer:
     """redis-server on 127.0.0.1 that a test can stop and start again on the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
+        # The URL never carries the password (the connector reads it from env or a file).
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not installed: apt-get install -y redis-server")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        stdin = None
+        if self.password:
+            # Through a config on stdin ("-"), so the password is not in redis-server's argv.
+            args.insert(1, "-")
+            stdin = subprocess.PIPE
+        self.proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.password:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+            self.proc.stdin.close()
+        client = self.client()
         for _ in range(100):
             try:
                 client.ping()
@@ -45,7 +53,7 @@ class RedisServer:
         self.proc = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(port=self.port, password=self.password)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -162,3 +162,49 @@ def test_malformed_records_are_integrity_errors_only() -> None:
     # memoryview / bytearray inputs (any buffer a store may return) still decode.
     out, _ = codec.decode(memoryview(bytearray(rec)), _expected("k1", t))
     assert torch.equal(out, t)
+
+
+def test_secrets_masked_and_read_from_env_or_file(tmp_path, monkeypatch) -> None:
+    from kvcache.secrets import mask_url, read_secret
+
+    assert mask_url("redis://:hunter2@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert mask_url("rediss://user:hunter2@r.example:6380/1") == "rediss://user:***@r.example:6380/1"
+    assert mask_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    f = tmp_path / "pw"
+    f.write_text("from-file\n")
+    monkeypatch.delenv("KV_TEST_PW", raising=False)
+    assert read_secret("KV_TEST_PW", str(f)) == "from-file"
+    monkeypatch.setenv("KV_TEST_PW", "from-env")
+    assert read_secret("KV_TEST_PW", str(f)) == "from-env"
+    assert read_secret("", "") is None
+
+
+def test_redis_password_from_env_and_never_logged(tmp_path, monkeypatch, caplog) -> None:
+    """Against a redis-server that requires a password: the store authenticates with the one
+    from the environment; a password left in the URL is masked in every log line."""
+    from kvcache_testlib import RedisServer
+
+    from kvcache.config import KVCacheSettings
+    from kvcache.tiers import make_l2
+
+    planted = "planted-Pw-0d9e1"
+    srv = RedisServer(password=planted).start()
+    try:
+        monkeypatch.setenv("KVCACHE_REDIS_PASSWORD", planted)
+        with caplog.at_level("INFO", logger="vllm.kvcache"):
+            store = make_l2(KVCacheSettings.from_extra({"l2_backend": "redis", "l2_redis_url": srv.url}))
+            assert store is not None
+            store.put("kv:x", b"1")
+            assert store.get("kv:x") == b"1"
+            leaky = RedisStore(f"redis://:{planted}@127.0.0.1:{srv.port}/0", timeout_s=0.2)
+            assert leaky.get("kv:x") == b"1"
+            srv.stop()
+            for s in (store, leaky):
+                with pytest.raises(TierUnavailable) as exc:
+                    s.get("kv:x")
+                assert planted not in str(exc.value)
+        text = caplog.text
+        assert "unreachable" in text and ":***@" in text and "l2_redis_password_env" in text
+        assert planted not in text
+    finally:
+        srv.stop()

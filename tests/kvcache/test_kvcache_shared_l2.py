@@ -15,6 +15,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,20 +49,30 @@ class Shared:
         return self.redis.client()
 
 
+# Redis requires this password; the server reads it from a file (a mounted secret), and it
+# must appear in no log line and no command line.
+PLANTED_PASSWORD = "planted-Pa55word-7f3c9"
+
+
 @pytest.fixture(scope="module")
-def shared(tiny_model: str) -> Iterator[Shared]:
-    redis_srv = RedisServer().start()
+def shared(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    redis_srv = RedisServer(password=PLANTED_PASSWORD).start()
+    secret = tmp_path_factory.mktemp("secrets") / "redis-password"
+    secret.write_text(PLANTED_PASSWORD + "\n")
     port = free_port()
     extra = {
         "l1_capacity_bytes": 0,
         "l2_backend": "redis",
         "l2_redis_url": redis_srv.url,
+        "l2_redis_password_file": str(secret),
         "l2_redis_timeout_s": 2.0,
+        "l2_redis_retry_s": 0.5,
         "metrics_port": port,
     }
     server = LocalServer(
         tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=True, dev_mode=True, threads_bind="0"
     )
+    server.env.pop("KVCACHE_REDIS_PASSWORD", None)
     try:
         with server:
             yield Shared(server, redis_srv, port)
@@ -200,3 +211,30 @@ def test_cache_salt_separates_tenants(shared: Shared) -> None:
     assert cached_tokens(a2) == loadable  # the owner still hits
     assert l2_hits() == hits + loadable // BLOCK
     assert_same(a2, a)
+
+
+def test_redis_password_is_used_but_never_shown(shared: Shared) -> None:
+    """The password comes from a file: the server authenticates (it stores and hits), and the
+    password is in neither its command line nor its log, even when Redis goes away and the
+    connector logs the store's URL."""
+    client = shared.client()
+    client.flushall()
+    prompt = random_prompt(600, seed=79)
+    first = shared.fresh(prompt)
+    _wait_for(lambda: client.dbsize() == 600 // BLOCK * LAYERS)  # writes authenticated
+    assert cached_tokens(shared.fresh(prompt)) == (600 - 1) // BLOCK * BLOCK
+    shared.redis.stop()
+    try:
+        down = shared.fresh(prompt)  # lookups fail: the connector logs the outage
+        assert cached_tokens(down) == 0
+        assert_same(down, first)
+    finally:
+        shared.redis.start()
+    time.sleep(0.6)  # past l2_redis_retry_s
+    log = shared.server.log_path.read_text(errors="replace")
+    assert "unreachable" in log and "Redis L2 at redis://127.0.0.1" in log
+    assert PLANTED_PASSWORD not in log
+    assert not any(PLANTED_PASSWORD in arg for arg in shared.server.cmd)
+    assert shared.server.proc is not None
+    argv = Path(f"/proc/{shared.server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert PLANTED_PASSWORD not in argv
