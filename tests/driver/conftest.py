@@ -19,8 +19,10 @@ request so the server can count attempts per id. Actions:
     badusage      200 chat completion whose usage counts are not numbers
 
 Any action can be delayed: ``503@0.05`` waits 50 ms, then answers 503.
-``down()`` takes the whole server off its port (connections refused, open
-connections cut) and ``up()`` brings it back on the same port: an endpoint restart.
+``storm = 503`` makes every request fail with that status (a gateway with no healthy
+upstream) until it is set back to None. ``down()`` takes the whole server off its
+port (connections refused, open connections cut) and ``up()`` brings it back on the
+same port: an endpoint restart.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class FaultServer:
         self.lock = threading.Lock()
         self.inflight = 0
         self.canaries = 0  # health-probe replays, kept out of the per-id attempt counts
+        self.storm: int | None = None  # set to 503 (say): every request gets that status
         self.max_inflight = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -123,6 +126,8 @@ class FaultServer:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         cid = body.get("cid", "?")
+        if self.storm is not None:  # the whole server fails, whatever the request
+            return web.json_response(_error(None, "no healthy upstream", "server_error"), status=self.storm)
         if body.get("max_tokens") == 1:  # the driver's health probe replaying an answered request
             with self.lock:
                 self.canaries += 1

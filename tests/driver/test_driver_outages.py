@@ -1,0 +1,230 @@
+"""Infrastructure faults never become request errors: endpoint outages, failing stores,
+overlapping attempts and edited inputs, each with the real component failing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
+from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
+from aibrix_operators.driver.health import EndpointOutage
+from aibrix_operators.driver.results import results_prefix, shard_result_log
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.storage import LocalStorage, StorageError
+from tests.driver.test_driver_faults import config, results_by_id, write_shard
+
+# The test config's per-request retry budget: 3 attempts, backoff base 0.01 s capped at 0.5 s,
+# so a request alone would give up after at most 0.01 + 0.02 = 0.03 s of waiting.
+RETRY_BUDGET_S = 0.03
+
+
+def take_down_after_first_result(server, prefix_log, down_s: float) -> threading.Thread:
+    """Stop the server once the shard has written its first checkpoint, bring it back later."""
+
+    def outage() -> None:
+        deadline = time.monotonic() + 20
+        while not prefix_log.segments() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.down()
+        time.sleep(down_s)
+        server.up()
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    return thread
+
+
+async def test_outage_longer_than_retry_budget_loses_and_fails_nothing(tmp_path, fault_server, make_request):
+    storage = LocalStorage()
+    records = [make_request(f"o-{i:04d}", "slow:0.01") for i in range(400)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    outage_s = 3.0
+    assert outage_s > 50 * RETRY_BUDGET_S
+    thread = take_down_after_first_result(fault_server, shard_result_log(storage, prefix, shard), outage_s)
+    cfg = config(fault_server, concurrency=16, probe_interval_s=0.2)
+    outcome = await run_shard(storage, shard, prefix, cfg)
+    thread.join()
+    results = results_by_id(storage, prefix, shard)
+    assert len(results) == 400 and all(r["error"] is None for r in results.values())
+    assert (outcome.completed, outcome.failed) == (400, 0)
+    assert outcome.outages >= 1 and outcome.paused_s >= outage_s * 0.5
+    assert set(fault_server.counts()) == {r["custom_id"] for r in records}
+
+
+async def test_outage_past_budget_fails_task_then_retry_completes(tmp_path, fault_server, make_request):
+    storage = LocalStorage()
+    records = [make_request(f"p-{i:04d}", "slow:0.01") for i in range(300)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    log = shard_result_log(storage, prefix, shard)
+    thread = take_down_after_first_result(fault_server, log, 60)  # down for good, for this attempt
+    with pytest.raises(EndpointOutage, match="answered no request for .* retrying the task sends them"):
+        await run_shard(storage, shard, prefix,
+                        config(fault_server, concurrency=16, outage_budget_s=1.5, probe_interval_s=0.2))
+    # Nothing unanswered was recorded: every stored line is a success.
+    stored = results_by_id(storage, prefix, shard)
+    assert 0 < len(stored) < 300 and all(r["error"] is None for r in stored.values())
+    fault_server.up()  # the endpoint is back; Airflow retries the task
+    outcome = await run_shard(storage, shard, prefix, config(fault_server, concurrency=16))
+    assert (outcome.resumed, outcome.completed, outcome.failed) == (len(stored), 300 - len(stored), 0)
+    results = results_by_id(storage, prefix, shard)
+    assert len(results) == 300 and all(r["error"] is None for r in results.values())
+    thread.join(0)
+
+
+async def test_503_storm_for_every_request_is_an_outage_not_error_lines(tmp_path, fault_server, make_request):
+    # A gateway whose backends are gone: 503 for everything, though the gateway itself is up.
+    storage = LocalStorage()
+    records = [make_request(f"g-{i:03d}", "slow:0.01") for i in range(200)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    log = shard_result_log(storage, prefix, shard)
+
+    async def storm() -> None:
+        while not log.segments():
+            await asyncio.sleep(0.01)
+        fault_server.storm = 503
+
+    task = asyncio.create_task(storm())
+    with pytest.raises(EndpointOutage):
+        await run_shard(storage, shard, prefix,
+                        config(fault_server, concurrency=8, outage_budget_s=1.5, probe_interval_s=0.1))
+    await task
+    stored = results_by_id(storage, prefix, shard)
+    assert 0 < len(stored) < 200 and all(r["error"] is None for r in stored.values())
+    fault_server.storm = None
+    outcome = await run_shard(storage, shard, prefix, config(fault_server, concurrency=8))
+    assert outcome.failed == 0 and len(results_by_id(storage, prefix, shard)) == 200
+
+
+class FlakyStore(LocalStorage):
+    """The local store with writes failing while ``down`` is set (a store outage)."""
+
+    def __init__(self) -> None:
+        self.down = threading.Event()
+        self.failed_writes = 0
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        if self.down.is_set():
+            self.failed_writes += 1
+            raise StorageError(f"cannot write {uri}: store unavailable")
+        super().write_bytes(uri, data)
+
+
+async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_server, make_request):
+    store = FlakyStore()
+    records = [make_request(f"w-{i:04d}", "slow:0.005") for i in range(300)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    log = shard_result_log(store, prefix, shard)
+
+    async def outage() -> None:
+        while not log.segments():
+            await asyncio.sleep(0.01)
+        store.down.set()
+        await asyncio.sleep(1.0)
+        store.down.clear()
+
+    task = asyncio.create_task(outage())
+    outcome = await run_shard(store, shard, prefix,
+                              config(fault_server, concurrency=8, max_unflushed=20, checkpoint_retry_s=10))
+    await task
+    assert store.failed_writes > 0 and outcome.checkpoint_write_retries == store.failed_writes
+    results = results_by_id(store, prefix, shard)
+    assert len(results) == 300 and outcome.completed == 300
+    # Back-pressure: with the store down, the shard stopped taking requests at the backlog
+    # limit instead of sending the rest into memory.
+    assert max(fault_server.counts().values()) == 1
+
+
+async def test_store_down_past_retry_time_fails_and_retry_completes(tmp_path, fault_server, make_request):
+    store = FlakyStore()
+    records = [make_request(f"x-{i:04d}", "slow:0.005") for i in range(300)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    log = shard_result_log(store, prefix, shard)
+
+    async def outage() -> None:
+        while not log.segments():
+            await asyncio.sleep(0.01)
+        store.down.set()
+
+    task = asyncio.create_task(outage())
+    started = time.monotonic()
+    with pytest.raises(CheckpointWriteFailed, match="will be sent again when the task is retried"):
+        await run_shard(store, shard, prefix,
+                        config(fault_server, concurrency=8, max_unflushed=20, checkpoint_retry_s=1.0))
+    assert time.monotonic() - started < 10  # bounded, not "after the whole shard was sent"
+    await task
+    sent_before = sum(fault_server.counts().values())
+    assert sent_before < 300  # back-pressure stopped sending while nothing could be recorded
+    store.down.clear()
+    outcome = await run_shard(store, shard, prefix, config(fault_server, concurrency=8))
+    results = results_by_id(store, prefix, shard)
+    assert len(results) == 300 and outcome.failed == 0
+    assert outcome.resumed + outcome.completed == 300
+
+
+async def test_overlapping_attempts_merge_with_every_id_once(tmp_path, fault_server, make_request):
+    storage = LocalStorage()
+    records = [make_request(f"z-{i:04d}", "slow:0.01") for i in range(200)]
+    inp = tmp_path / "input.jsonl"
+    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    out = str(tmp_path / "out")
+    report, batch = validate_batch(storage, str(inp), out)
+    assert report.ok
+    work = work_prefix(out, "run")
+    (shard,) = split_batch(storage, batch, work, 200, bytes_per_shard=1 << 30, max_shards=1)
+    prefix = results_prefix(work, shard.name)
+    # A zombie attempt and its retry, on the same shard and results prefix, at the same time.
+    first, second = await asyncio.gather(
+        run_shard(storage, shard.uri, prefix, config(fault_server, concurrency=4)),
+        run_shard(storage, shard.uri, prefix, config(fault_server, concurrency=4)),
+    )
+    assert first.completed == second.completed == 200  # both answered everything
+    summary, obj = finalize_batch(storage, batch, [shard], work)
+    assert obj.request_counts == {"total": 200, "completed": 200, "failed": 0}
+    assert summary.duplicates_discarded == 200
+    output = (tmp_path / "out" / "output.jsonl").read_bytes().splitlines()
+    out_ids = [json.loads(x)["custom_id"] for x in output]
+    assert out_ids == [r["custom_id"] for r in records]
+    # The kept answer is the earlier attempt's, whichever finished first.
+    earlier = min(first.attempt_id, second.attempt_id)
+    seg_of = {}
+    for seg in shard_result_log(storage, prefix, shard.uri).segments():
+        for line in storage.read_bytes(seg).splitlines():
+            seg_of.setdefault(json.loads(line)["id"], seg)
+    kept = [json.loads(x)["id"] for x in output]
+    assert all(earlier in seg_of[i] for i in kept)
+
+
+async def test_edited_input_never_reuses_old_answers(tmp_path, fault_server, make_request):
+    storage = LocalStorage()
+    out = str(tmp_path / "out")
+    inp = tmp_path / "input.jsonl"
+
+    def submit(version: str):
+        recs = [make_request(f"e-{i}") for i in range(20)]
+        for r in recs:
+            r["body"]["messages"][0]["content"] = f"question {version}"
+        inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in recs))
+        report, batch = validate_batch(storage, str(inp), out)
+        assert report.ok
+        return batch, split_batch(storage, batch, work, 20, 1 << 30, 1)
+
+    work = work_prefix(out, "run")  # the same run: its tasks cleared after the input was edited
+    batch, (shard,) = submit("v1")
+    first = await run_shard(storage, shard.uri, results_prefix(work, shard.name), config(fault_server))
+    assert first.completed == 20
+    batch, (shard,) = submit("v2")
+    again = await run_shard(storage, shard.uri, results_prefix(work, shard.name), config(fault_server))
+    assert (again.resumed, again.completed) == (0, 20)  # nothing answered for v1 is reused
+    summary, obj = finalize_batch(storage, batch, [shard], work)
+    assert obj.request_counts["completed"] == 20 and summary.duplicates_discarded == 0
+    assert all(n == 2 for n in fault_server.counts().values())
