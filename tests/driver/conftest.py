@@ -80,6 +80,7 @@ class FaultServer:
     async def _serve(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
         runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=0.5)
         await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -115,6 +116,9 @@ class FaultServer:
             return list(self.attempts.get(cid, []))
 
     # ------------------------------------------------------------------ handler
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.inflight += 1  # the handler runs on the server's single loop thread
         self.max_inflight = max(self.max_inflight, self.inflight)

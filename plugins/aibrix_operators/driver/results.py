@@ -103,7 +103,20 @@ class ResultLog:
                     yield loads(line)["custom_id"], line
 
     def done_ids(self) -> set[str]:
-        return {cid for cid, _ in self.iter_records()}
+        return self.scan()[0]
+
+    def scan(self) -> tuple[set[str], int]:
+        """The answered ``custom_id``s, and how many of those answers are error lines."""
+        done: set[str] = set()
+        errors = 0
+        for uri in self.segments():
+            for line in self.storage.read_bytes(uri).splitlines():
+                if line:
+                    record = loads(line)
+                    if record["custom_id"] not in done:
+                        done.add(record["custom_id"])
+                        errors += record.get("error") is not None
+        return done, errors
 
     def append(self, line: bytes) -> None:
         self._buffer.append(line)

@@ -54,6 +54,7 @@ class ShardOutcome:
     shard: str
     total: int
     resumed: int = 0  # answered by an earlier, interrupted run
+    resumed_failed: int = 0  # of those, answered with an error line
     completed: int = 0
     failed: int = 0
     retries: int = 0
@@ -100,8 +101,9 @@ async def run_shard(
     result_log = ResultLog(
         storage, results_prefix, fingerprint.binding, config.flush_interval_s, config.flush_every
     )
-    done = await asyncio.to_thread(result_log.done_ids)
-    outcome = ShardOutcome(shard=name, total=total, resumed=len(done), attempt_id=result_log.attempt_id)
+    done, done_failed = await asyncio.to_thread(result_log.scan)
+    outcome = ShardOutcome(shard=name, total=total, resumed=len(done), resumed_failed=done_failed,
+                           attempt_id=result_log.attempt_id)
     if done:
         log.info("%s: resuming, %d of %d requests already answered", name, len(done), total)
 
