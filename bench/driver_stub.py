@@ -9,6 +9,9 @@ measured in the same run by a trivial raw-socket client on the driver's CPU.
 
     .venv/bin/python bench/driver_stub.py                                  # quick: 5,000 requests
     .venv/bin/python bench/driver_stub.py --requests 20000 --concurrency 64,128,256
+    # this tree's driver against another checkout's (e.g. `git worktree add ../base HEAD~5`),
+    # alternating runs in fresh processes against the same stub; the ratio is the result:
+    .venv/bin/python bench/driver_stub.py --compare-plugins ../base/plugins --repeat 5
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def run_driver(
     else:
         outcome = asyncio.run(coro)  # what the DAG's dispatch task and the driver CLI do
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-    lines = sum(p.read_bytes().count(b"\n") for p in results.glob("seg-*.jsonl"))
+    lines = sum(p.read_bytes().count(b"\n") for p in results.rglob("seg-*.jsonl"))
     if outcome.completed != total or outcome.failed or lines != total:
         raise SystemExit(f"driver run incomplete: {outcome} ({lines} result lines)")
     # CPU seconds of this process (all threads): a figure the shared machine's noise barely moves.
@@ -125,6 +128,60 @@ def run_driver(
 
 def pin(cpu: int | None) -> None:
     _stub_server.pin(cpu)
+
+
+def run_driver_in_child(
+    plugins: Path, shard: Path, results: Path, port: int, concurrency: int, total: int, cpu: int | None
+) -> dict:
+    """``run_driver`` in a fresh process importing ``aibrix_operators`` from ``plugins``."""
+    cmd = [sys.executable, __file__, "--worker", "--plugins", str(plugins), "--shard", str(shard),
+           "--results", str(results), "--port", str(port), "--concurrency", str(concurrency),
+           "--requests", str(total)]
+    if cpu is not None:
+        cmd += ["--cpu", str(cpu)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path(args.plugins).resolve()))
+    pin(args.cpu)
+    r = run_driver(Path(args.shard), Path(args.results), args.port, int(args.concurrency), args.requests)
+    print(json.dumps(r))
+    return 0
+
+
+def compare_main(args: argparse.Namespace, levels: list[int], driver_cpu: int | None,
+                 stub_cpu: int | None) -> int:
+    """Rounds of (this tree, the other tree) in alternating order; medians of per-round ratios."""
+    import statistics
+
+    ours = REPO / "plugins"
+    other = Path(args.compare_plugins).resolve()
+    shard = write_shard(args.workdir / f"shard-{args.requests}.jsonl", args.requests)
+    print(f"\n{args.requests:,} requests per run, {args.repeat} rounds per level, fresh process per run; "
+          f"this tree {ours} vs {other}\n")
+    print(f"{'concurrency':>11}{'this req/s':>12}{'other req/s':>13}{'ratio (median)':>16}{'min..max':>16}")
+    worst = float("inf")
+    with StubProcess(stub_cpu) as stub:
+        for c in levels:
+            ratios, mine, theirs = [], [], []
+            for i in range(args.repeat):
+                order = [(ours, mine), (other, theirs)]
+                if i % 2:
+                    order.reverse()
+                for plugins, sink in order:
+                    r = run_driver_in_child(plugins, shard, args.workdir / "results", stub.port, c,
+                                            args.requests, driver_cpu)
+                    sink.append(r["rps"])
+                ratios.append(mine[-1] / theirs[-1])
+            med = statistics.median(ratios)
+            worst = min(worst, med)
+            print(f"{c:>11}{statistics.median(mine):>12.0f}{statistics.median(theirs):>13.0f}"
+                  f"{med:>15.3f}x{min(ratios):>8.3f}..{max(ratios):.3f}")
+    shutil.rmtree(args.workdir / "results", ignore_errors=True)
+    print(f"\nlowest median ratio {worst:.3f} (>= 0.95 means within 5% of the other tree)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin driver and stub to CPUs")
     p.add_argument("--profile", default=None, help="cProfile the first driver run into this file")
+    p.add_argument("--compare-plugins", default=None, metavar="DIR",
+                   help="compare with the driver in another checkout's plugins/ directory")
+    # internal: one driver run in a child process (used by --compare-plugins)
+    for hidden in ("--plugins", "--shard", "--results", "--port", "--cpu"):
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        args.port = int(args.port)
+        args.cpu = None if args.cpu is None else int(args.cpu)
+        return worker_main(args)
     levels = [int(c) for c in args.concurrency.split(",") if c]
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -149,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pin and len(cpus) >= 2:
         driver_cpu, stub_cpu = cpus[0], cpus[1]
     logging.basicConfig(level=logging.WARNING)
+    if args.compare_plugins:
+        return compare_main(args, levels, driver_cpu, stub_cpu)
 
     shard = write_shard(args.workdir / f"shard-{args.requests}.jsonl", args.requests)
     rows: list[tuple[str, float, float, float]] = []

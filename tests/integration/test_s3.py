@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -83,4 +84,5 @@ def test_dag_reads_and_writes_s3_with_an_airflow_connection(
     assert batch["output_file_id"] == f"s3://{bucket}/out/run1/output.jsonl"
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="out/run1/_work/")["Contents"]]
     assert sum("/shards/shard-" in k for k in keys) == 3
-    assert any("/results/shard-00002/seg-" in k for k in keys)
+    # results/<shard>/<binding: the shard's content digest>/seg-<attempt>-<seq>.jsonl
+    assert any(re.search(r"/results/shard-00002/[0-9a-f]{24}/seg-", k) for k in keys)
