@@ -90,3 +90,23 @@ def test_missing_shard_is_a_storage_error_exit_5(tmp_path, fault_server):
     proc = run_cli(*base_args(tmp_path, fault_server.url, str(tmp_path / "absent.jsonl")), cwd=tmp_path)
     assert proc.returncode == cli.EXIT_STORAGE
     assert "absent.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_env_key_reaches_only_its_origin(tmp_path, fault_server, make_request, monkeypatch):
+    from aibrix_operators.driver.cli import build_parser, config_from
+
+    base = ["--shard-uri", "s", "--results-prefix", "r"]
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-planted-secret")
+    monkeypatch.delenv("OPENAI_API_KEY_ORIGIN", raising=False)
+    own = config_from(build_parser().parse_args([*base, "--endpoint", fault_server.url,
+                                                 "--api-key-origin", fault_server.url]))
+    assert own.headers()["Authorization"] == "Bearer sk-planted-secret"
+    assert "sk-planted-secret" not in repr(own)
+    foreign = config_from(build_parser().parse_args([*base, "--endpoint", "http://127.0.0.2:9",
+                                                     "--api-key-origin", fault_server.url]))
+    assert "Authorization" not in foreign.headers()
+    unbound = config_from(build_parser().parse_args([*base, "--endpoint", fault_server.url]))
+    assert "Authorization" not in unbound.headers()
+    monkeypatch.setenv("OPENAI_API_KEY_ORIGIN", fault_server.url)
+    from_env = config_from(build_parser().parse_args([*base, "--endpoint", fault_server.url]))
+    assert from_env.headers()["Authorization"] == "Bearer sk-planted-secret"

@@ -11,9 +11,10 @@ JSON; logs go to stderr.
 
 environment:
   OPENAI_API_KEY          API key sent as "Authorization: Bearer ..." (the variable's name
-                          is --api-key-env); sent only if OPENAI_API_KEY_ORIGIN names the
-                          endpoint's origin (scheme://host:port), so a mistyped --endpoint
-                          never receives it. Mount both from a Kubernetes Secret.
+                          is --api-key-env); sent only if OPENAI_API_KEY_ORIGIN (or
+                          --api-key-origin) names the endpoint's origin (scheme://host:port),
+                          so a mistyped --endpoint never receives it. Mount the key from a
+                          Kubernetes Secret; it is never a flag.
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION
                           credentials and endpoint for s3:// URIs (boto3's usual variables).
 
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "requests end as batch_expired after it")
     where.add_argument("--api-key-env", default=d.api_key_env, metavar="NAME",
                        help="environment variable holding the API key (default: %(default)s)")
+    where.add_argument("--api-key-origin", default=None, metavar="ORIGIN",
+                       help="scheme://host:port the key belongs to; it is sent only when --endpoint "
+                            "has this origin (default: the NAME_ORIGIN environment variable)")
 
     send = p.add_argument_group("sending")
     send.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
@@ -144,7 +148,8 @@ def config_from(args: argparse.Namespace) -> DriverConfig:
         backoff_base_s=args.backoff_base, backoff_max_s=args.backoff_max,
         flush_interval_s=args.flush_interval, flush_every=args.flush_every,
         progress_interval_s=args.progress_interval, deadline=args.deadline,
-        api_key_env=args.api_key_env or None, breaker_failures=args.breaker_failures,
+        api_key_env=args.api_key_env or None, api_key_origin=args.api_key_origin,
+        breaker_failures=args.breaker_failures,
         probe_interval_s=args.probe_interval, outage_budget_s=args.outage_budget,
         checkpoint_retry_s=args.checkpoint_retry, max_unflushed=args.max_unflushed,
     )
