@@ -74,6 +74,11 @@ PARAMS = {
         300, type="number", minimum=0,
         description="How long a shard waits for a starting or restarting endpoint before failing.",
     ),
+    "outage_budget_s": Param(
+        900, type="number", minimum=1,
+        description="How long a running shard waits out an endpoint that answers nothing (restart, "
+        "502/503 storm) before the task fails and Airflow retries it; requests are never failed for it.",
+    ),
     "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
     "completion_window": Param(
         "24h", type="string", pattern="^[0-9]+[hms]$",
@@ -136,6 +141,7 @@ with DAG(
         max_attempts="{{ params.max_attempts }}",
         request_timeout_s="{{ params.request_timeout_s }}",
         endpoint_wait_s="{{ params.endpoint_wait_s }}",
+        outage_budget_s="{{ params.outage_budget_s }}",
         execution_mode="{{ params.execution_mode }}",
         aws_conn_id="{{ params.aws_conn_id }}",
         retries=2,

@@ -74,7 +74,7 @@ class DispatchShardOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
-        "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id",
+        "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id", "outage_budget_s",
     )
 
     def __init__(
@@ -88,6 +88,7 @@ class DispatchShardOperator(BaseOperator):
         request_timeout_s: float = 600.0,
         execution_mode: str = "local",
         endpoint_wait_s: float = 300.0,
+        outage_budget_s: float = 900.0,
         inference_conn_id: str | None = None,
         aws_conn_id: str | None = None,
         **kwargs: Any,
@@ -101,6 +102,7 @@ class DispatchShardOperator(BaseOperator):
         self.request_timeout_s = request_timeout_s
         self.execution_mode = execution_mode
         self.endpoint_wait_s = endpoint_wait_s
+        self.outage_budget_s = outage_budget_s
         self.inference_conn_id = inference_conn_id
         self.aws_conn_id = aws_conn_id
 
@@ -117,7 +119,7 @@ class DispatchShardOperator(BaseOperator):
                 endpoint=target.endpoint, concurrency=int(self.concurrency),
                 max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
                 deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
-                api_key_origin=target.api_key_origin,
+                api_key_origin=target.api_key_origin, outage_budget_s=float(self.outage_budget_s),
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
