@@ -12,7 +12,8 @@ elsewhere on a shared machine slows both sides of one ratio rather than one side
 whole comparison.
 
 Steady state: two unmeasured rounds fill the pool (capacity = two rounds), so measured
-saves reuse evicted slots. One line per ``l1_checksum`` setting (sampled is the default).
+saves reuse evicted slots. One line per ``l1_checksum`` setting. Then the cost of L2
+records per GiB: encode and decode with the checksum only, and with each MAC.
 
     .venv-inference/bin/python bench/kvcache_l1_bandwidth.py [--tokens 1664] [--repeat 5]
 """
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvcache import codec  # noqa: E402
 from kvcache.config import KVCacheSettings  # noqa: E402
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata  # noqa: E402
 from kvcache.worker import KVCacheWorker  # noqa: E402
@@ -93,6 +95,29 @@ def run(tokens: int, repeat: int, l1_checksum: str, layers: int = 8, heads: int 
     }
 
 
+def l2_record_costs(mib: int = 64, repeat: int = 5) -> dict[str, float]:
+    """ms per GiB to encode + decode (verify) L2 records: checksum only vs each MAC. The
+    write-behind thread pays encode, a load thread decode; neither runs on the forward's
+    thread on a GPU, but on CPU they share its cores."""
+    t = torch.randn(mib << 18)
+    expected = codec.Expected("k", t.dtype, tuple(t.shape))
+    out: dict[str, float] = {}
+    for name, mac in (("checksum", None), ("blake2b", codec.Mac(b"k", "blake2b")),
+                      ("blake3", codec.Mac(b"k", "blake3"))):  # fmt: skip
+        enc, dec = [], []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            rec = codec.encode("k", t, mac=mac)
+            t1 = time.perf_counter()
+            codec.decode(rec, expected, mac=mac)
+            dec.append(time.perf_counter() - t1)
+            enc.append(t1 - t0)
+        gib = t.numel() * 4 / 2**30
+        out[f"{name}_encode_ms_per_gib"] = 1e3 * statistics.median(enc) / gib
+        out[f"{name}_decode_ms_per_gib"] = 1e3 * statistics.median(dec) / gib
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1664)
@@ -105,6 +130,18 @@ def main(argv: list[str] | None = None) -> int:
             f"l1_checksum={l1_checksum:7}  {r['bytes'] / 2**20:.0f} MiB  "
             f"torch copy {r['copy_gibs']:.2f} GiB/s | L1 store {r['store_gibs']:.2f} GiB/s "
             f"({r['store_share']:.0%}) | L1 load {r['load_gibs']:.2f} GiB/s ({r['load_share']:.0%})"
+        )
+    c = l2_record_costs()
+    print(f"L2 records ({codec.SUM_ALG} checksum), ms per GiB, encode / decode+verify:")
+    for name in ("checksum", "blake2b", "blake3"):
+        extra = (
+            ""
+            if name == "checksum"
+            else f"   (MAC cost: +{c[f'{name}_encode_ms_per_gib'] - c['checksum_encode_ms_per_gib']:.0f} / "
+            f"+{c[f'{name}_decode_ms_per_gib'] - c['checksum_decode_ms_per_gib']:.0f})"
+        )
+        print(
+            f"  {name:9} {c[f'{name}_encode_ms_per_gib']:6.0f} / {c[f'{name}_decode_ms_per_gib']:6.0f}{extra}"
         )
     return 0
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
+
+from kvcache.codec import Mac
+
+if TYPE_CHECKING:
+    from kvcache.config import KVCacheSettings
 
 # Under "vllm." so that records reach the handlers vLLM configures in its processes.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -47,3 +53,12 @@ def mask_text(text: str, *secrets: str | None) -> str:
         if s:
             text = text.replace(s, "***")
     return text
+
+
+def l2_mac(settings: KVCacheSettings) -> Mac | None:
+    """The MAC for L2 records, when a key is configured (environment or file)."""
+    key = read_secret(settings.l2_mac_key_env, settings.l2_mac_key_file)
+    if key is None:
+        return None
+    log.info("kvcache: L2 records are authenticated (%s MAC)", settings.l2_mac_alg)
+    return Mac(key.encode(), settings.l2_mac_alg)

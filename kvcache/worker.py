@@ -40,6 +40,7 @@ from kvcache import codec, metrics
 from kvcache.config import KVCacheSettings
 from kvcache.keys import layer_number, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
+from kvcache.secrets import l2_mac
 from kvcache.tiers import L1Pool, L2Store, TierUnavailable
 from kvcache.tiers.slab import SlabPool
 from kvcache.tiers.writer import L2Writer
@@ -92,7 +93,8 @@ class KVCacheWorker:
         )
         self.slab: SlabPool | None = None  # sized in register_kv_caches
         self.l2 = l2
-        self.writer = L2Writer(l2, settings.l2_write_queue_max) if l2 is not None else None
+        self.mac = l2_mac(settings) if l2 is not None else None
+        self.writer = L2Writer(l2, settings.l2_write_queue_max, self.mac) if l2 is not None else None
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcache-load")
         # One saver thread keeps CUDA copy-outs in layer order.
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcache-save")
@@ -283,7 +285,7 @@ class KVCacheWorker:
             head = len(record) - expected_nbytes(expected)
             record = record[:head] + bytes(len(record) - head)
         try:
-            src, crc = codec.decode(record, expected, self.settings.verify_checksum)
+            src, crc = codec.decode(record, expected, self.settings.verify_checksum, self.mac)
         except codec.IntegrityError as exc:
             raise _LoadFailed("integrity") from exc
         metrics.BYTES_LOADED.labels(self.l2.name).inc(len(record))

@@ -24,8 +24,9 @@ _STOP = object()
 
 
 class L2Writer:
-    def __init__(self, store: L2Store, max_queue: int = 4096) -> None:
+    def __init__(self, store: L2Store, max_queue: int = 4096, mac: codec.Mac | None = None) -> None:
         self.store = store
+        self.mac = mac  # tags every record (computed here, off the forward pass)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="kvcache-l2-writer", daemon=True)
         self._thread.start()
@@ -75,7 +76,7 @@ class L2Writer:
                 continue
             try:
                 try:
-                    record = codec.encode(key, tensor, crc)
+                    record = codec.encode(key, tensor, crc, self.mac)
                 finally:
                     if release is not None:
                         release()

@@ -134,10 +134,12 @@ def _malformed(rec: bytes, t: torch.Tensor) -> list[bytes]:
         with_header([1, 2, 3]),
         with_header("a string"),
         with_header(None),
-        with_header({**header, "crc32": "abc"}),
-        with_header({**header, "crc32": None}),
-        with_header({**header, "crc32": 1.5}),
-        with_header({**header, "crc32": -1}),
+        with_header({**header, "sum": "abc"}),
+        with_header({**header, "sum": None}),
+        with_header({**header, "sum": 1.5}),
+        with_header({**header, "sum": -1}),
+        with_header({**header, "sum_alg": "md5"}),
+        with_header({**header, "mac": "blake2b"}),  # claims a tag it does not have
         with_header({**header, "nbytes": "x"}),
         with_header({**header, "shape": "2,3,4"}),
         with_header({**header, "shape": [2, "3", 4]}),
@@ -208,3 +210,29 @@ def test_redis_password_from_env_and_never_logged(tmp_path, monkeypatch, caplog)
         assert planted not in text
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("alg", ["blake2b", "blake3"])
+def test_mac_records(alg: str) -> None:
+    """With a key, only records tagged with that key decode; the tag covers every byte."""
+    t = torch.randn(4, 8)
+    mac = codec.Mac(b"secret", alg)
+    rec = codec.encode("k", t, mac=mac)
+    out, _ = codec.decode(rec, _expected("k", t), mac=mac)
+    assert torch.equal(out, t)
+    out, _ = codec.decode(rec, _expected("k", t))  # a reader without the key still parses it
+    assert torch.equal(out, t)
+    for bad in (
+        codec.encode("k", t),  # no tag: a writer without the key
+        codec.encode("k", t, mac=codec.Mac(b"other", alg)),  # another key
+        rec[:-1] + bytes([rec[-1] ^ 1]),  # a flipped tag bit
+        rec[:40] + bytes([rec[40] ^ 1]) + rec[41:],  # a flipped header bit
+        rec[:-40] + bytes([rec[-40] ^ 1]) + rec[-39:],  # a flipped payload bit
+    ):
+        with pytest.raises(codec.IntegrityError):
+            codec.decode(bad, _expected("k", t), mac=mac)
+    for bad in _malformed(codec.encode("k", t), t):  # malformed content with a valid tag
+        if b'"mac": "' in bad:
+            continue  # claims a tag, and gets a valid one appended here: a good record
+        with pytest.raises(codec.IntegrityError):
+            codec.decode(bad + mac.tag(bad), _expected("k", t), mac=mac)

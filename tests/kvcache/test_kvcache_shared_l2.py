@@ -3,7 +3,9 @@
 The server keeps no L1 (``l1_capacity_bytes: 0``), so every hit is a Redis read, and has
 vLLM's prefix caching on (emptied through ``/reset_prefix_cache`` before each request, so
 the connector serves what is cached). Its own first answer to a prompt, computed with an
-empty Redis, is the baseline: a full prefill.
+empty Redis, is the baseline: a full prefill. Redis needs a password (read from a file)
+and records carry a MAC (key from the environment), as a deployment sharing Redis
+between tenants would run it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import random
 import struct
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+import xxhash
 from kvcache_testlib import RedisServer, assert_same, random_prompt, scrape
 
 from kvcache import codec
@@ -52,6 +54,9 @@ class Shared:
 # Redis requires this password; the server reads it from a file (a mounted secret), and it
 # must appear in no log line and no command line.
 PLANTED_PASSWORD = "planted-Pa55word-7f3c9"
+# Records are authenticated with this key (from the server's environment).
+MAC_KEY = "test-mac-key-5b1e"
+MAC = codec.Mac(MAC_KEY.encode(), "blake2b")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +78,7 @@ def shared(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=True, dev_mode=True, threads_bind="0"
     )
     server.env.pop("KVCACHE_REDIS_PASSWORD", None)
+    server.env["KVCACHE_L2_MAC_KEY"] = MAC_KEY
     try:
         with server:
             yield Shared(server, redis_srv, port)
@@ -98,33 +104,41 @@ def _pack(header: object, payload: bytes) -> bytes:
 
 
 def _fuzz(kind: str, record: bytes, other: bytes, rng: random.Random) -> bytes:
-    """A malformed record of the given kind, made from the valid ``record`` of that key."""
-    header, payload = _parse(record)
-    if kind == "random":
-        return rng.randbytes(rng.choice((0, 3, 8, 100, len(record))))
-    if kind == "truncated":
-        return record[: rng.randrange(0, len(record))]
-    if kind == "header-not-object":
-        return _pack(rng.choice(([1, 2], "x", None, 3.5)), payload)
-    if kind == "header-bad-fields":
-        field, value = rng.choice(
-            (("crc32", "abc"), ("crc32", None), ("crc32", 2.5), ("nbytes", "x"), ("shape", "1,2"),
-             ("shape", [None]), ("dtype", 7), ("key", 1))
-        )  # fmt: skip
-        return _pack({**header, field: value}, payload)
-    if kind == "short-payload":  # the header's nbytes agrees with the short payload
-        cut = payload[: len(payload) // 2]
-        return _pack({**header, "nbytes": len(cut), "crc32": zlib.crc32(cut)}, cut)
-    if kind == "wrong-shape":  # a consistent record of another shape, under this key
-        t = torch.frombuffer(bytearray(payload), dtype=torch.float32)[: len(payload) // 8].clone()
-        return codec.encode(header["key"], t.view(2, -1))
-    if kind == "flipped-byte":
-        body = bytearray(payload)
+    """A malformed record of the given kind, made from the valid (tagged) ``record`` of that
+    key. Malformed content is tagged with the right MAC key, as a buggy writer holding the
+    key would, so that the parser behind the MAC check is what gets exercised."""
+    if kind == "flipped-byte":  # damage at rest: the tag no longer matches
+        body = bytearray(record)
         body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
-        return _pack(header, bytes(body))
+        return bytes(body)
     if kind == "other-key":  # a valid record of another chunk / layer
         return other
-    raise ValueError(kind)
+    header, payload = _parse(record[: -codec.TAG_BYTES])
+    payload = payload[: header["nbytes"]]
+    if kind == "random":
+        bad = rng.randbytes(rng.choice((0, 3, 8, 100, len(record))))
+    elif kind == "truncated":
+        bad = record[: rng.randrange(0, len(record) - codec.TAG_BYTES)]
+    elif kind == "header-not-object":
+        bad = _pack(rng.choice(([1, 2], "x", None, 3.5)), payload)
+    elif kind == "header-bad-fields":
+        field, value = rng.choice(
+            (("sum", "abc"), ("sum", None), ("sum", 2.5), ("sum_alg", "md5"), ("nbytes", "x"),
+             ("shape", "1,2"), ("shape", [None]), ("dtype", 7), ("key", 1), ("mac", None))
+        )  # fmt: skip
+        bad = _pack({**header, field: value}, payload)
+    elif kind == "short-payload":  # the header's nbytes and checksum agree with it
+        cut = payload[: len(payload) // 2]
+        bad = _pack({**header, "nbytes": len(cut), "sum": xxhash.xxh3_64_intdigest(cut)}, cut)
+    elif kind == "wrong-shape":  # a consistent record of another shape, under this key
+        half = payload[: len(payload) // 2]
+        shape = [2, len(half) // 8]
+        bad = _pack(
+            {**header, "shape": shape, "nbytes": len(half), "sum": xxhash.xxh3_64_intdigest(half)}, half
+        )
+    else:
+        raise ValueError(kind)
+    return bad + MAC.tag(bad)
 
 
 FUZZ_KINDS = ("random", "truncated", "header-not-object", "header-bad-fields", "short-payload",
@@ -141,7 +155,7 @@ def test_fuzzed_records_are_counted_misses_not_errors(shared: Shared) -> None:
     _wait_for(lambda: client.dbsize() == chunks * LAYERS)
     keys = sorted(k.decode() for k in client.keys("kv:*"))
     valid = {k: client.get(k) for k in keys}
-    expected = {k: _parse(v)[0] for k, v in valid.items()}
+    expected = {k: _parse(v[: -codec.TAG_BYTES])[0] for k, v in valid.items()}
     warm = shared.fresh(prompt)
     assert cached_tokens(warm) == (700 - 1) // BLOCK * BLOCK  # the keys above are this prompt's
     assert_same(warm, cold)
@@ -152,7 +166,7 @@ def test_fuzzed_records_are_counted_misses_not_errors(shared: Shared) -> None:
             rec = client.get(k)
             h = expected[k]
             try:
-                codec.decode(rec, codec.Expected(k, torch.float32, tuple(h["shape"])))
+                codec.decode(rec, codec.Expected(k, torch.float32, tuple(h["shape"])), mac=MAC)
             except (codec.IntegrityError, TypeError):
                 return False
         return True
@@ -238,3 +252,41 @@ def test_redis_password_is_used_but_never_shown(shared: Shared) -> None:
     assert shared.server.proc is not None
     argv = Path(f"/proc/{shared.server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
     assert PLANTED_PASSWORD not in argv
+
+
+def test_planted_record_without_the_mac_key_is_a_miss(shared: Shared) -> None:
+    """Someone who can write to Redis but lacks the MAC key plants records under a prompt's
+    keys: well formed, right key, right layout, right checksum, made from the real KV
+    (so without the MAC they would load). Every one is a counted miss; the prompt is
+    recomputed and the server's own, tagged records replace them."""
+    client = shared.client()
+    client.flushall()
+    prompt = random_prompt(700, seed=80)
+    cold = shared.fresh(prompt)
+    _wait_for(lambda: client.dbsize() == 700 // BLOCK * LAYERS)
+    keys = sorted(k.decode() for k in client.keys("kv:*"))
+    for k in keys:  # re-encode the real payload without a tag (or with another key's tag)
+        header, payload = _parse(client.get(k)[: -codec.TAG_BYTES])
+        t = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(header["shape"])
+        forged = codec.encode(k, t, mac=codec.Mac(b"not-the-key")) if k.endswith("L0") else codec.encode(k, t)
+        client.set(k, forged)
+    before = shared.metrics()
+    got = shared.fresh(prompt)
+    after = shared.metrics()
+    assert_same(got, cold)
+    assert after.get("kvcache_hit_chunks_total{tier=l2}", 0) == before.get(
+        "kvcache_hit_chunks_total{tier=l2}", 0
+    )
+    misses = after.get("kvcache_miss_chunks_total{reason=integrity}", 0) - before.get(
+        "kvcache_miss_chunks_total{reason=integrity}", 0
+    )
+    assert misses == 700 // BLOCK  # every chunk of the prompt
+    # The recomputed chunks are stored again with the server's tag, and load.
+    _wait_for(lambda: all(_tagged(client.get(k)) for k in keys))
+    hit = shared.fresh(prompt)
+    assert cached_tokens(hit) == (700 - 1) // BLOCK * BLOCK
+    assert_same(hit, cold)
+
+
+def _tagged(record: bytes | None) -> bool:
+    return record is not None and MAC.tag(record[: -codec.TAG_BYTES]) == record[-codec.TAG_BYTES :]
