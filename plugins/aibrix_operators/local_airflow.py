@@ -98,11 +98,12 @@ def start_airflow(env: dict[str, str], home: Path) -> AirflowDeployment:
     try:
         for component in (["api-server", "--port", str(port), "--host", "127.0.0.1"],
                           ["scheduler"], ["dag-processor"], ["triggerer"]):
-            log = logs / f"{component[0]}.log"
-            procs.append(subprocess.Popen(
-                [str(BIN / "airflow"), *component], env=env, stdout=open(log, "wb"),
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            # The child keeps its own descriptor of the log; ours closes with the block.
+            with open(logs / f"{component[0]}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [str(BIN / "airflow"), *component], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                ))
 
         def api_up() -> bool:
             with urllib.request.urlopen(deployment.api_url + "/api/v2/monitor/health", timeout=5) as r:

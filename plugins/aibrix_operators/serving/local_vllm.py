@@ -8,15 +8,15 @@ end-to-end tests and the benchmarks; in production vLLM runs in its own pods.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from aibrix_operators.serving.process import ServerProcess, healthy, stop_process_group
+
+__all__ = ["VLLMServer", "VLLMServerSpec", "free_port", "stop_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
@@ -58,21 +58,6 @@ class VLLMServerSpec:
         return cmd + list(self.extra_args)
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM a process started with ``start_new_session=True`` and all its children;
-    SIGKILL what is left after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 class VLLMServer:
     """A running server; use as a context manager so it is always stopped."""
 
@@ -80,12 +65,15 @@ class VLLMServer:
         if not spec.port:
             spec.port = free_port()
         self.spec = spec
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self.process: ServerProcess | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.spec.port}"
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.process.proc if self.process is not None else None
 
     def start(self, timeout_s: float = 240.0) -> VLLMServer:
         spec = self.spec
@@ -103,39 +91,16 @@ class VLLMServer:
             "VLLM_DO_NOT_TRACK": "1", "HF_HOME": str(cache / "hf"), **spec.env,
         }
         log_path = spec.log_path or (spec.work_dir / "logs" / f"vllm-{spec.port}.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            spec.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,  # its own process group: stop() takes the engine too
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"vLLM exited with code {self.proc.returncode} during startup; see {log_path}:\n"
-                    + _tail(log_path)
-                )
-            if self.healthy():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM did not become healthy in {timeout_s:.0f}s; see {log_path}")
+        self.process = ServerProcess(spec.command(), env, log_path, name="vLLM").start()
+        self.process.wait_healthy(self.base_url + "/health", timeout_s)
+        return self
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return healthy(self.base_url + "/health")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is not None:
-            stop_process_group(self.proc, grace_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self.process is not None:
+            self.process.stop(grace_s)
 
     def start_in_background(self, timeout_s: float = 240.0) -> threading.Thread:
         """Start without blocking (e.g. while a DAG validates and splits); ``join`` the thread,
@@ -157,10 +122,3 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

@@ -1,0 +1,117 @@
+"""A local server process: its own process group, its log file, a health wait, a clean stop.
+
+Shared by ``serving/local_vllm.py`` (``make run``, end-to-end tests, benches) and
+``kvcache/launch.py`` (connector tests and benches). vLLM's API server spawns an
+engine process, and the leader can exit (or crash) while that child keeps running
+and holding memory and ports, so a stop always signals the whole group and waits
+until the group is empty — never only the leader.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we cannot signal still exists
+        return True
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM every process of the group ``proc`` leads (started with ``start_new_session``),
+    SIGKILL what is left after ``grace_s``; return once the group is empty and the leader reaped.
+
+    Works when the leader has already exited: its children are still signalled.
+    """
+    pgid = proc.pid
+    proc.poll()  # reap an exited leader, so a zombie does not count as a live member
+    if not _group_alive(pgid):
+        return
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        limit = deadline if sig == signal.SIGTERM else time.monotonic() + 10
+        while time.monotonic() < limit:
+            proc.poll()
+            if not _group_alive(pgid):
+                proc.wait()
+                return
+            time.sleep(0.05)
+    proc.wait()
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class ServerProcess:
+    """``cmd`` in a new session, output appended to ``log_path``; use ``stop`` (or ``with``)."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], log_path: Path, name: str = "server"):
+        self.cmd = list(cmd)
+        self.env = dict(env)
+        self.log_path = Path(log_path)
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The child gets its own copy of the descriptor; ours is closed at once.
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    def wait_healthy(self, url: str, timeout_s: float) -> None:
+        """Poll ``url`` until it answers 200; stop everything and raise if the process dies or
+        the time runs out."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with code {code} during startup; see "
+                                   f"{self.log_path}:\n{tail(self.log_path)}")
+            if healthy(url):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.name} did not become healthy in {timeout_s:.0f}s; see {self.log_path}:\n"
+                           f"{tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

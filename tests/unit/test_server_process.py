@@ -1,0 +1,83 @@
+"""Process hygiene of the local server helpers: the whole group stops, files close."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aibrix_operators.serving.process import ServerProcess, stop_process_group
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not alive: it holds no memory or ports
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _open_fds_to(path) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def test_stop_kills_children_when_the_leader_already_exited(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    # The leader starts an "engine" child and exits, as a crashed API server would.
+    leader = subprocess.Popen(["bash", "-c", f"sleep 300 & echo $! > {pidfile}; exit 3"],
+                              start_new_session=True)
+    leader.wait(10)
+    child = int(pidfile.read_text())
+    assert _alive(child)
+    stop_process_group(leader, grace_s=5)
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path):
+    script = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    started = time.monotonic()
+    stop_process_group(proc, grace_s=0.5)
+    assert proc.returncode is not None and time.monotonic() - started < 8
+    assert not _alive(proc.pid)
+
+
+def test_server_process_keeps_no_log_descriptor_and_stops_its_group(tmp_path):
+    log = tmp_path / "server.log"
+    server = ServerProcess([sys.executable, "-c", "print('hello', flush=True); import time; time.sleep(300)"],
+                           dict(os.environ), log, name="sleeper").start()
+    assert _open_fds_to(log) == 0  # only the child holds it
+    deadline = time.monotonic() + 10
+    while "hello" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "hello" in log.read_text()
+    assert server.proc is not None
+    pid = server.proc.pid
+    server.stop(grace_s=2)
+    assert not _alive(pid)
+
+    dying = ServerProcess([sys.executable, "-c", "raise SystemExit(7)"], dict(os.environ), log, name="dying")
+    dying.start()
+    with pytest.raises(RuntimeError, match="dying exited with code 7"):
+        dying.wait_healthy("http://127.0.0.1:9/health", timeout_s=20)
+    assert _open_fds_to(log) == 0
