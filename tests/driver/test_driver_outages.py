@@ -12,6 +12,7 @@ import pytest
 
 from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
+from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
 from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import run_shard
@@ -228,3 +229,24 @@ async def test_edited_input_never_reuses_old_answers(tmp_path, fault_server, mak
     summary, obj = finalize_batch(storage, batch, [shard], work)
     assert obj.request_counts["completed"] == 20 and summary.duplicates_discarded == 0
     assert all(n == 2 for n in fault_server.counts().values())
+
+
+async def test_outage_with_default_settings_the_issue_reproduction(tmp_path, fault_server, make_request):
+    # The incident as first measured: default driver settings (5 attempts, backoff 0.5 s doubling
+    # to 30 s: a request alone gives up after ~7.5 s of backoff), the endpoint gone early in the
+    # shard and back after 10 s. Before the breaker this left dozens of requests as permanent
+    # connection_error lines.
+    storage = LocalStorage()
+    records = [make_request(f"d-{i:04d}", "slow:0.01") for i in range(3000)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+    defaults = DriverConfig(endpoint=fault_server.url, concurrency=16, api_key_env=None)
+    assert defaults.backoff_base_s * (2 ** (defaults.max_attempts - 1) - 1) < 10
+
+    thread = take_down_after_first_result(fault_server, shard_result_log(storage, prefix, shard), 10.0)
+    outcome = await run_shard(storage, shard, prefix, defaults)
+    thread.join()
+    assert (outcome.completed, outcome.failed) == (3000, 0)
+    assert outcome.outages >= 1
+    results = results_by_id(storage, prefix, shard)
+    assert len(results) == 3000 and all(r["error"] is None for r in results.values())
