@@ -1,0 +1,108 @@
+"""The router's aiohttp application: routes, startup and shutdown."""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .backends import DECODE, PREFILL, Backend, BackendPool
+from .health import HealthChecker
+from .metrics import RouterMetrics
+from .proxy import Proxy, openai_error
+from .requests import CHAT, COMPLETIONS
+
+POOL = web.AppKey("pool", BackendPool)
+METRICS = web.AppKey("metrics", RouterMetrics)
+PROXY = web.AppKey("proxy", Proxy)
+CHECKER = web.AppKey("checker", HealthChecker)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+def build_app(
+    backends: list[Backend],
+    *,
+    health_interval_s: float = 1.0,
+    request_timeout_s: float = 600.0,
+    dns: dict[str, str] | None = None,
+) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    pool = BackendPool(backends)
+    metrics = RouterMetrics()
+    app[POOL] = pool
+    app[METRICS] = metrics
+
+    async def startup(app: web.Application) -> None:
+        # No connection cap: the batch driver bounds concurrency; keep-alive connections
+        # are reused across requests (the router's overhead is mostly connection work).
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), json_serialize=orjson.dumps,
+            auto_decompress=False,
+        )  # fmt: skip
+        app[SESSION] = session
+        app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s)
+        checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns)
+        app[CHECKER] = checker
+        await checker.refresh()  # serve with a known pool from the first request
+        checker.start()
+
+    async def cleanup(app: web.Application) -> None:
+        await app[CHECKER].stop()
+        await app[SESSION].close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+
+    def route(path: str):  # type: ignore[no-untyped-def]
+        endpoint = path.rsplit("/", 1)[-1]
+        requests = {s: metrics.requests.labels(endpoint, str(s)) for s in (200, 400, 500, 503)}
+        latency = metrics.latency.labels(endpoint)
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            t0 = perf_counter()
+            metrics.inflight.inc()
+            try:
+                resp = await app[PROXY].handle(request, path)
+            finally:
+                metrics.inflight.dec()
+            counter = requests.get(resp.status) or metrics.requests.labels(endpoint, str(resp.status))
+            counter.inc()
+            latency.observe(perf_counter() - t0)
+            return resp
+
+        return handler
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        for role in (DECODE, PREFILL):
+            backend = pool.pick(role)
+            if backend is None:
+                continue
+            try:
+                async with app[SESSION].get(
+                    backend.url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
+                ) as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+        return openai_error(503, "no healthy instance", "no_instance")
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        # Decode is what must be up: without prefill, decode computes prompts itself.
+        body = {
+            role: {"healthy": len(pool.healthy(role)), "total": len(pool.role(role))}
+            for role in (PREFILL, DECODE)
+        }
+        status = 200 if body[DECODE]["healthy"] else 503
+        return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+    async def prometheus(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    app.router.add_post(CHAT, route(CHAT))
+    app.router.add_post(COMPLETIONS, route(COMPLETIONS))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
+    return app

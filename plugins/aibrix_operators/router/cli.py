@@ -1,0 +1,95 @@
+"""Command line of the router (also the image's entrypoint).
+
+Instances come from flags or environment (comma-separated), or from DNS: a headless
+Service's A records are the role's pods (refreshed every health interval).
+
+    python -m aibrix_operators.router --port 8000 \\
+        --prefill http://10.0.0.5:8000#set-0 --decode http://10.0.0.6:8000#set-0
+    ROUTER_PREFILL_DNS=prefill.ns.svc:8000 ROUTER_DECODE_DNS=decode.ns.svc:8000 \\
+        python -m aibrix_operators.router
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from aiohttp import web
+
+from .app import build_app
+from .backends import DECODE, PREFILL, parse_backend
+
+
+def _list(value: str | None) -> list[str]:
+    return [v for v in (value or "").split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    env = os.environ.get
+    p.add_argument("--host", default=env("ROUTER_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(env("ROUTER_PORT", "8000")))
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=_list(env("ROUTER_PREFILL")),
+        help="prefill instance URL[#pod-set]; repeatable (env ROUTER_PREFILL, comma-separated)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=_list(env("ROUTER_DECODE")),
+        help="decode instance URL[#pod-set]; repeatable (env ROUTER_DECODE, comma-separated)",
+    )
+    p.add_argument(
+        "--prefill-dns", default=env("ROUTER_PREFILL_DNS"), help="HOST:PORT of prefill's headless Service"
+    )
+    p.add_argument(
+        "--decode-dns", default=env("ROUTER_DECODE_DNS"), help="HOST:PORT of decode's headless Service"
+    )
+    p.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=float(env("ROUTER_HEALTH_INTERVAL_S", "1.0")),
+        help="seconds between health and load scrapes of every instance",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=float(env("ROUTER_REQUEST_TIMEOUT_S", "600")),
+        help="seconds one upstream call may take",
+    )
+    p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
+    args = p.parse_args(argv)
+    if not (args.decode or args.decode_dns):
+        p.error("at least one decode instance (--decode or --decode-dns) is needed")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    backends = [parse_backend(u, PREFILL) for u in args.prefill] + [
+        parse_backend(u, DECODE) for u in args.decode
+    ]
+    dns = {role: t for role, t in ((PREFILL, args.prefill_dns), (DECODE, args.decode_dns)) if t}
+    app = build_app(backends, health_interval_s=args.health_interval_s,
+                    request_timeout_s=args.request_timeout_s, dns=dns)  # fmt: skip
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # the image installs uvloop; a bare checkout may lack it
+        loop_factory = None
+    # print() so a parent process can read the bound port (--port 0) from stdout.
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=lambda s: print(s, flush=True),
+                handle_signals=True, loop=loop_factory() if loop_factory else None)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The P/D router against real aiohttp stub instances on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from aibrix_operators.router.app import CHECKER, build_app
+from aibrix_operators.router.backends import DECODE, PREFILL, Backend
+from aibrix_operators.router.load import parse_load
+from tests.router.stub_backend import StubBackend
+
+COMPLETION = {"model": "m", "prompt": "hello there", "max_tokens": 16, "cache_salt": "tenant-a"}
+
+
+class Router:
+    def __init__(self, server: TestServer, session: aiohttp.ClientSession) -> None:
+        self.server = server
+        self.session = session
+        self.url = str(server.make_url("")).rstrip("/")
+
+    async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
+        async with self.session.post(self.url + path, json=body) as r:
+            return r.status, json.loads(await r.read())
+
+    async def refresh(self) -> None:
+        await self.server.app[CHECKER].refresh()
+
+    async def metrics(self) -> str:
+        async with self.session.get(self.url + "/metrics") as r:
+            return await r.text()
+
+
+@pytest.fixture
+async def make_router() -> AsyncIterator[Callable[..., object]]:
+    made: list[tuple[TestServer, aiohttp.ClientSession, list[StubBackend]]] = []
+
+    async def make(prefill: list[StubBackend], decode: list[StubBackend], sets: dict[str, str] | None = None,
+                   extra: list[Backend] | None = None) -> Router:  # fmt: skip
+        sets = sets or {}
+        for stub in (*prefill, *decode):
+            if stub.server is None:
+                await stub.start()
+        backends = [Backend(s.url, PREFILL, sets.get(s.name, "")) for s in prefill]
+        backends += [Backend(s.url, DECODE, sets.get(s.name, "")) for s in decode]
+        # A long interval: the tests refresh the pool explicitly when they change a stub.
+        server = TestServer(build_app(backends + list(extra or []), health_interval_s=3600), host="127.0.0.1")
+        await server.start_server()
+        session = aiohttp.ClientSession()
+        made.append((server, session, [*prefill, *decode]))
+        return Router(server, session)
+
+    yield make
+    for server, session, stubs in made:
+        await session.close()
+        await server.close()
+        for stub in stubs:
+            await stub.close()
+
+
+async def test_prefill_one_token_then_decode_with_the_same_prompt(make_router) -> None:
+    p, d = StubBackend("p"), StubBackend("d")
+    router = await make_router([p], [d])
+    status, body = await router.post(COMPLETION)
+    assert status == 200 and body["from"] == "d"
+    [(path_p, pre)], [(path_d, dec)] = p.received, d.received
+    assert path_p == path_d == "/v1/completions"
+    # The prefill makes one token; everything that shapes the prompt (and so the
+    # connector's content keys, cache_salt included) is what decode gets.
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert {k: pre[k] for k in ("model", "prompt", "cache_salt")} == {
+        k: COMPLETION[k] for k in ("model", "prompt", "cache_salt")
+    }
+    assert dec == COMPLETION  # decode gets the client's request unchanged
+
+
+async def test_chat_prefill_limits_completion_tokens_and_drops_output_options(make_router) -> None:
+    p, d = StubBackend("p"), StubBackend("d")
+    router = await make_router([p], [d])
+    chat = {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+        "logprobs": True, "top_logprobs": 2, "n": 1, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    status, _ = await router.post(chat, "/v1/chat/completions")
+    assert status == 200
+    pre = p.received[0][1]
+    assert pre["max_completion_tokens"] == 1 and "max_tokens" not in pre
+    assert not {"logprobs", "top_logprobs", "stream_options"} & set(pre)
+    assert pre["messages"] == chat["messages"]
+    assert d.received[0][1] == chat
+
+
+async def test_prefill_transfer_params_reach_decode(make_router) -> None:
+    # Connectors that name a transfer (NIXL-style) return parameters from the prefill.
+    p = StubBackend("p", extra={"kv_transfer_params": {"remote_block_ids": [1, 2], "remote_host": "h"}})
+    d = StubBackend("d")
+    router = await make_router([p], [d])
+    assert (await router.post(COMPLETION))[0] == 200
+    assert d.received[0][1]["kv_transfer_params"] == {"remote_block_ids": [1, 2], "remote_host": "h"}
+
+
+async def test_least_loaded_decode_is_chosen_and_follows_the_load(make_router) -> None:
+    p = StubBackend("p")
+    busy, idle = StubBackend("busy", running=6), StubBackend("idle", running=1)
+    router = await make_router([p], [busy, idle])
+    for _ in range(4):
+        assert (await router.post(COMPLETION))[1]["from"] == "idle"
+    # Waiting requests weigh more than running ones; KV usage counts too.
+    busy.running, idle.running, idle.waiting = 1, 1, 3
+    await router.refresh()
+    assert (await router.post(COMPLETION))[1]["from"] == "busy"
+    busy.waiting, idle.waiting, busy.kv_usage = 0, 0, 0.95
+    await router.refresh()
+    assert (await router.post(COMPLETION))[1]["from"] == "idle"
+
+
+async def test_in_flight_requests_spread_between_scrapes(make_router) -> None:
+    # Between two scrapes the router's own in-flight count keeps it from sending a burst
+    # to the one instance that looked idle.
+    p = StubBackend("p")
+    a, b = StubBackend("a", stream_pause_s=0.2), StubBackend("b", stream_pause_s=0.2)
+    router = await make_router([p], [a, b])
+
+    async def streamed() -> None:
+        async with router.session.post(
+            router.url + "/v1/completions", json={**COMPLETION, "stream": True}
+        ) as r:
+            await r.read()
+
+    await asyncio.gather(*(streamed() for _ in range(6)))
+    assert (len(a.received), len(b.received)) == (3, 3)
+
+
+async def test_same_pod_set_preferred_unless_clearly_busier(make_router) -> None:
+    p = StubBackend("p")
+    near, far = StubBackend("near", running=1), StubBackend("far", running=0)
+    router = await make_router([p], [near, far], sets={"p": "set-a", "near": "set-a", "far": "set-b"})
+    # One running request of difference is within the slack: stay in the pod set.
+    assert (await router.post(COMPLETION))[1]["from"] == "near"
+    assert "router_same_pod_set_total 1.0" in await router.metrics()
+    near.running = 5
+    await router.refresh()
+    assert (await router.post(COMPLETION))[1]["from"] == "far"
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 429, 500, 503])
+async def test_decode_errors_pass_through_with_status_and_body(make_router, status: int) -> None:
+    err = {"error": {"message": f"status {status}", "type": "x", "code": status}}
+    router = await make_router([StubBackend("p")], [StubBackend("d", answer=(status, err))])
+    assert await router.post(COMPLETION) == (status, err)
+
+
+async def test_a_bad_request_is_answered_by_prefill_and_never_decoded(make_router) -> None:
+    err = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
+    p, d = StubBackend("p", answer=(400, err)), StubBackend("d")
+    router = await make_router([p], [d])
+    assert await router.post(COMPLETION) == (400, err)
+    assert d.received == []
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+async def test_prefill_infrastructure_failure_falls_back_to_decode(make_router, status: int) -> None:
+    p, d = StubBackend("p", answer=(status, {"error": {"message": "busy"}})), StubBackend("d")
+    router = await make_router([p], [d])
+    status_got, body = await router.post(COMPLETION)
+    assert status_got == 200 and body["from"] == "d"
+    assert d.received[0][1] == COMPLETION
+    assert "router_prefill_fallback_total 1.0" in await router.metrics()
+
+
+async def test_invalid_json_is_a_400_in_openai_shape(make_router) -> None:
+    router = await make_router([StubBackend("p")], [StubBackend("d")])
+    async with router.session.post(router.url + "/v1/completions", data=b"{not json") as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == "invalid_json"
+
+
+async def test_streaming_passes_chunks_through_as_they_come(make_router) -> None:
+    d = StubBackend("d", stream_chunks=["one", "two", "three"], stream_pause_s=0.3)
+    router = await make_router([StubBackend("p")], [d])
+    arrivals: list[tuple[float, bytes]] = []
+    t0 = time.monotonic()
+    async with router.session.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            if line.strip():
+                arrivals.append((time.monotonic() - t0, line.strip()))
+    texts = [json.loads(line[6:])["choices"][0]["text"] for _, line in arrivals if line != b"data: [DONE]"]
+    assert texts == ["one", "two", "three"] and arrivals[-1][1] == b"data: [DONE]"
+    # Chunks arrive as the decode instance sends them, not all at the end.
+    assert arrivals[1][0] - arrivals[0][0] > 0.2
+    assert d.received[0][1]["stream"] is True
+
+
+async def test_a_dead_decode_instance_is_skipped(make_router) -> None:
+    p, alive, doomed = StubBackend("p"), StubBackend("alive"), StubBackend("doomed")
+    router = await make_router([p], [alive, doomed])
+    doomed_url = doomed.url
+    await doomed.close()  # dies after the router saw it healthy: the next call to it fails
+    for _ in range(6):
+        status, body = await router.post(COMPLETION)
+        assert (status, body["from"]) == (200, "alive")
+    metrics = await router.metrics()
+    assert 'router_backend_healthy{role="decode",url="' + doomed_url + '"} 0.0' in metrics
+    assert "router_decode_retries_total 1.0" in metrics  # marked down once, then skipped
+    await router.refresh()  # the health loop keeps it out while it stays down
+    assert (await router.post(COMPLETION))[1]["from"] == "alive"
+
+
+async def test_no_healthy_decode_is_503_and_health_says_so(make_router) -> None:
+    d = StubBackend("d", healthy=False)
+    router = await make_router([StubBackend("p")], [d])
+    status, body = await router.post(COMPLETION)
+    assert status == 503 and body["error"]["code"] == "no_decode_instance"
+    async with router.session.get(router.url + "/health") as r:
+        assert r.status == 503
+        assert await r.json() == {"prefill": {"healthy": 1, "total": 1}, "decode": {"healthy": 0, "total": 1}}
+    d.healthy = True
+    await router.refresh()
+    assert (await router.post(COMPLETION))[0] == 200
+
+
+async def test_models_health_and_metrics_endpoints(make_router) -> None:
+    router = await make_router([StubBackend("p")], [StubBackend("d")])
+    async with router.session.get(router.url + "/v1/models") as r:
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "m"
+    async with router.session.get(router.url + "/health") as r:
+        assert r.status == 200
+    for _ in range(3):
+        await router.post(COMPLETION)
+    text = await router.metrics()
+    assert 'router_requests_total{endpoint="completions",status="200"} 3.0' in text
+    assert 'router_request_seconds_count{endpoint="completions"} 3.0' in text
+    assert "router_prefill_seconds_count 3.0" in text
+
+
+def test_load_parser_reads_vllm_gauges() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5\n'
+        "vllm:num_requests_swapped garbage\n"
+    )
+    load = parse_load(text)
+    assert (load.running, load.waiting, load.kv_usage) == (5.0, 4.0, 0.5)
+    assert parse_load("") == parse_load("vllm:kv_cache_usage_perc NaN\n")
+
+
+def test_pick_spreads_equal_loads_round_robin() -> None:
+    from aibrix_operators.router.backends import BackendPool
+
+    pool = BackendPool([Backend(f"http://d{i}", DECODE, healthy=True) for i in range(3)])
+    picks = Counter(pool.pick(DECODE).url for _ in range(30))  # type: ignore[union-attr]
+    assert sorted(picks.values()) == [10, 10, 10]
+    assert pool.pick(PREFILL) is None
