@@ -1,0 +1,494 @@
+"""A fake kubelet: runs each pod of an ``ObjectStore`` as a local process and reports back.
+
+For every pod it finds it does what a node would, writing the results into the store
+the way a kubelet's status updates reach the API server: ``PodScheduled`` →
+image "pull" (the image must be in ``images``, else ``ErrImagePull``) → env resolution
+(``value``, ``valueFrom.secretKeyRef`` from Secrets in the store, ``fieldRef`` of
+``metadata.name``/``metadata.namespace``; a missing Secret or key is
+``CreateContainerConfigError``) → the first container's ``command + args`` as a
+process (the image maps executables such as ``python`` to local paths) with **only**
+that env (plus the image's base env: nothing leaks from the test process) → phase,
+container state, exit code, stdout+stderr as pod logs, and Events
+(``Scheduled``, ``Pulled``, ``Started``, ``FailedScheduling``, ``Failed``, ``Killing``,
+``Evicted``).
+
+Also modelled: ``activeDeadlineSeconds`` (killed, ``reason: DeadlineExceeded``),
+graceful deletion (SIGTERM, SIGKILL after the grace period, then the object goes),
+``schedulable = False`` (pods stay Pending as Unschedulable), ``kill`` (the container
+dies with 128+signal) and ``evict`` (``reason: Evicted``). Not modelled: restarts
+(every pod behaves as ``restartPolicy: Never``), init/sidecar containers, volumes,
+resource limits.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.k8s_double.api import ApiError, Obj, ObjectStore, now_rfc3339
+
+PODS = "/api/v1/pods"
+
+
+@dataclass
+class Image:
+    """What an image name runs as on this machine."""
+
+    executables: dict[str, str] = field(default_factory=dict)  # e.g. {"python": sys.executable}
+    env: dict[str, str] = field(default_factory=dict)  # the image's own ENV lines
+    workdir: str | None = None
+
+
+@dataclass
+class PodRun:
+    """One pod's life on this node (kept after the pod is gone, for assertions)."""
+
+    namespace: str
+    name: str
+    uid: str
+    labels: dict[str, str]
+    argv: list[str] = field(default_factory=list)
+    env_names: list[str] = field(default_factory=list)
+    started_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    reason: str | None = None  # Completed, Error, OOMKilled, Evicted, DeadlineExceeded
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    delete_deadline: float | None = None
+    kill_reason: str | None = None
+    kill_message: str | None = None
+    waiting_reason: str | None = None
+    events_sent: set[str] = field(default_factory=set)
+
+
+class FakeKubelet:
+    def __init__(
+        self,
+        store: ObjectStore,
+        images: dict[str, Image],
+        *,
+        node_name: str = "fake-node-1",
+        base_env: dict[str, str] | None = None,
+        workdir: Path | None = None,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.store = store
+        self.images = images
+        self.node_name = node_name
+        self.base_env = (
+            base_env
+            if base_env is not None
+            else {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "LANG": "C.UTF-8",
+            }
+        )
+        self.workdir = workdir
+        self.poll_s = poll_s
+        self.schedulable = True
+        self.unschedulable_message = "0/1 nodes are available: 1 Insufficient cpu."
+        self.runs: dict[str, PodRun] = {}  # by pod uid: a re-created name is a new pod
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)
+        with self._lock:
+            for run in self.runs.values():
+                if run.proc and run.proc.poll() is None:
+                    _signal_group(run.proc, signal.SIGKILL)
+
+    def run_of(self, namespace: str, name: str) -> PodRun:
+        """The latest pod of that name (names can be reused after a deletion)."""
+        with self._lock:
+            found = [r for r in self.runs.values() if (r.namespace, r.name) == (namespace, name)]
+            if not found:
+                raise KeyError(f"no pod {namespace}/{name} ran on this node")
+            return found[-1]
+
+    # test controls
+    def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL, reason: str | None = None) -> None:
+        """The container dies (e.g. a crash, or ``reason="OOMKilled"``); the pod ends Failed."""
+        with self._lock:
+            run = self.run_of(namespace, name)
+            run.kill_reason = reason
+            if run.proc and run.proc.poll() is None:
+                _signal_group(run.proc, sig)
+
+    def evict(
+        self, namespace: str, name: str, message: str = "The node was low on resource: memory."
+    ) -> None:
+        with self._lock:
+            run = self.run_of(namespace, name)
+            run.kill_reason, run.kill_message = "Evicted", message
+            self._event(namespace, name, "Evicted", message, "Warning")
+            if run.proc and run.proc.poll() is None:
+                _signal_group(run.proc, signal.SIGKILL)
+
+    def running(self, namespace: str | None = None) -> list[PodRun]:
+        with self._lock:
+            return [
+                r
+                for r in self.runs.values()
+                if r.proc and r.proc.poll() is None and namespace in (None, r.namespace)
+            ]
+
+    def all_runs(self) -> list[PodRun]:
+        with self._lock:
+            return list(self.runs.values())
+
+    # the API server asks before deleting a pod: True = we finish the deletion gracefully
+    def on_pod_delete(self, namespace: str, name: str, grace: int | None) -> bool:
+        with self._lock:
+            found = [r for r in self.runs.values() if (r.namespace, r.name) == (namespace, name)]
+            run = found[-1] if found else None
+            if run is None or run.proc is None or run.proc.poll() is not None:
+                return False
+            grace = 30 if grace is None else grace
+            run.delete_deadline = time.monotonic() + grace
+            self._event(namespace, name, "Killing", "Stopping container base", "Normal")
+            _signal_group(run.proc, signal.SIGKILL if grace == 0 else signal.SIGTERM)
+            return True
+
+    # the node's loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as exc:  # noqa: BLE001 - a fake node must keep running; say why it hiccuped
+                print(f"fake kubelet: {type(exc).__name__}: {exc}", flush=True)
+            self._stop.wait(self.poll_s)
+
+    def _sync(self) -> None:
+        for pod in self.store.list(PODS):
+            meta = pod["metadata"]
+            with self._lock:
+                run = self.runs.get(meta["uid"])
+                if run is None:
+                    run = self.runs[meta["uid"]] = PodRun(
+                        meta["namespace"], meta["name"], meta["uid"], dict(meta.get("labels") or {})
+                    )
+                if run.proc is not None:
+                    self._watch_process(pod, run)
+                elif run.reason is None:
+                    self._admit(pod, run)
+        with self._lock:  # processes of pods that are gone from the store
+            for run in self.runs.values():
+                if run.proc is None or self.store.get(PODS, run.namespace, run.name) is not None:
+                    continue
+                if run.proc.poll() is None:
+                    _signal_group(run.proc, signal.SIGKILL)
+                    continue
+                code = run.proc.returncode
+                run.exit_code, run.finished_at = (code if code >= 0 else 128 - code), time.time()
+                run.reason, run.proc = run.reason or "Deleted", None
+                self.store.close_log(run.namespace, run.name)
+
+    def _admit(self, pod: Obj, run: PodRun) -> None:
+        ns, name = run.namespace, run.name
+        if run.reason is not None or pod["status"].get("phase") in ("Succeeded", "Failed"):
+            return
+        if pod["metadata"].get("deletionTimestamp"):
+            self.store.remove(PODS, ns, name)
+            return
+        if not self.schedulable:
+            if "FailedScheduling" not in run.events_sent:
+                run.events_sent.add("FailedScheduling")
+                self._event(
+                    ns,
+                    name,
+                    "FailedScheduling",
+                    self.unschedulable_message,
+                    "Warning",
+                    component="default-scheduler",
+                )
+                self._set_status(
+                    ns,
+                    name,
+                    {
+                        "phase": "Pending",
+                        "conditions": [
+                            {
+                                "type": "PodScheduled",
+                                "status": "False",
+                                "reason": "Unschedulable",
+                                "message": self.unschedulable_message,
+                                "lastTransitionTime": now_rfc3339(),
+                            }
+                        ],
+                    },
+                )
+            return
+        container = pod["spec"]["containers"][0]
+        cname, image_name = container["name"], container.get("image", "")
+        if "Scheduled" not in run.events_sent:
+            run.events_sent.add("Scheduled")
+            self._event(
+                ns,
+                name,
+                "Scheduled",
+                f"Successfully assigned {ns}/{name} to {self.node_name}",
+                "Normal",
+                component="default-scheduler",
+            )
+        image = self.images.get(image_name)
+        if image is None:
+            self._wait(
+                run,
+                cname,
+                image_name,
+                "ErrImagePull",
+                f'failed to pull and unpack image "{image_name}": not found',
+            )
+            return
+        try:
+            env = self._resolve_env(ns, pod, container)
+        except ApiError as exc:
+            self._wait(run, cname, image_name, "CreateContainerConfigError", exc.message)
+            return
+        argv = list(container.get("command") or []) + list(container.get("args") or [])
+        if not argv:
+            self._wait(
+                run, cname, image_name, "CreateContainerError", "no command: the double has no image CMD"
+            )
+            return
+        argv[0] = image.executables.get(argv[0], argv[0])
+        run.argv, run.env_names = argv, sorted(env)
+        proc_env = {**self.base_env, **image.env, **env}
+        cwd = image.workdir or (str(self.workdir) if self.workdir else None)
+        self.store.reset_log(ns, name)
+        proc = subprocess.Popen(
+            argv,
+            env=proc_env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        run.proc, run.started_at, run.waiting_reason = proc, time.time(), None
+        threading.Thread(target=self._pump_logs, args=(ns, name, proc), daemon=True).start()
+        self._event(
+            ns, name, "Pulled", f'Container image "{image_name}" already present on machine', "Normal"
+        )
+        self._event(ns, name, "Started", f"Started container {cname}", "Normal")
+        started = now_rfc3339()
+        self._set_status(
+            ns,
+            name,
+            {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "podIP": "127.0.0.1",
+                "startTime": started,
+                "conditions": [
+                    {"type": t, "status": "True", "lastTransitionTime": started}
+                    for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+                ],
+                "containerStatuses": [
+                    {
+                        "name": cname,
+                        "image": image_name,
+                        "imageID": f"double://{image_name}",
+                        "ready": True,
+                        "started": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                ],
+            },
+        )
+
+    def _wait(self, run: PodRun, cname: str, image: str, reason: str, message: str) -> None:
+        if run.waiting_reason == reason:
+            return
+        run.waiting_reason = reason
+        self._event(run.namespace, run.name, "Failed", message, "Warning")
+        self._set_status(
+            run.namespace,
+            run.name,
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}
+                ],
+                "containerStatuses": [
+                    {
+                        "name": cname,
+                        "image": image,
+                        "imageID": "",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {"waiting": {"reason": reason, "message": message}},
+                    }
+                ],
+            },
+        )
+
+    def _watch_process(self, pod: Obj, run: PodRun) -> None:
+        assert run.proc is not None
+        deadline = pod["spec"].get("activeDeadlineSeconds")
+        code = run.proc.poll()
+        if code is None:
+            if (
+                deadline
+                and run.started_at
+                and time.time() - run.started_at >= deadline
+                and not run.kill_reason
+            ):
+                run.kill_reason = "DeadlineExceeded"
+                run.kill_message = "Pod was active on the node longer than the specified deadline"
+                self._event(run.namespace, run.name, "DeadlineExceeded", run.kill_message, "Warning")
+                _signal_group(run.proc, signal.SIGKILL)
+            if run.delete_deadline and time.monotonic() >= run.delete_deadline:
+                _signal_group(run.proc, signal.SIGKILL)
+            return
+        if run.reason is not None:
+            return
+        exit_code = code if code >= 0 else 128 - code
+        run.exit_code, run.finished_at = exit_code, time.time()
+        time.sleep(0.05)  # let the log pump take the last lines
+        self.store.close_log(run.namespace, run.name)
+        c_reason = (
+            "OOMKilled" if run.kill_reason == "OOMKilled" else ("Completed" if exit_code == 0 else "Error")
+        )
+        run.reason = run.kill_reason if run.kill_reason in ("Evicted", "DeadlineExceeded") else c_reason
+        if pod["metadata"].get("deletionTimestamp"):
+            self.store.remove(PODS, run.namespace, run.name)
+            run.proc = None
+            return
+        cname = pod["spec"]["containers"][0]["name"]
+        status: dict[str, Any] = {
+            "phase": "Succeeded" if exit_code == 0 and not run.kill_reason else "Failed",
+            "containerStatuses": [
+                {
+                    "name": cname,
+                    "image": pod["spec"]["containers"][0].get("image"),
+                    "imageID": "",
+                    "ready": False,
+                    "started": False,
+                    "restartCount": 0,
+                    "state": {
+                        "terminated": {
+                            "exitCode": exit_code,
+                            "reason": c_reason,
+                            "startedAt": _rfc3339(run.started_at),
+                            "finishedAt": _rfc3339(run.finished_at),
+                        }
+                    },
+                }
+            ],
+        }
+        if run.kill_reason in ("Evicted", "DeadlineExceeded"):
+            status.update(reason=run.kill_reason, message=run.kill_message)
+        self._set_status(run.namespace, run.name, status)
+        run.proc = None
+
+    def _pump_logs(self, ns: str, name: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            self.store.append_log(ns, name, raw.decode("utf-8", "backslashreplace").rstrip("\n"))
+
+    # helpers
+    def _resolve_env(self, ns: str, pod: Obj, container: Obj) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+                continue
+            source = item.get("valueFrom") or {}
+            if ref := source.get("secretKeyRef"):
+                value = self._secret_value(ns, ref)
+                if value is not None:
+                    env[item["name"]] = value
+            elif ref := source.get("fieldRef"):
+                path = ref.get("fieldPath")
+                env[item["name"]] = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": ns}.get(
+                    path, ""
+                )
+            else:
+                env[item["name"]] = ""
+        return env
+
+    def _secret_value(self, ns: str, ref: Obj) -> str | None:
+        secret = self.store.get("/api/v1/secrets", ns, ref["name"])
+        optional = bool(ref.get("optional"))
+        if secret is None:
+            if optional:
+                return None
+            raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
+        if ref["key"] in (secret.get("stringData") or {}):
+            return secret["stringData"][ref["key"]]
+        if ref["key"] in (secret.get("data") or {}):
+            return base64.b64decode(secret["data"][ref["key"]]).decode()
+        if optional:
+            return None
+        raise ApiError(
+            400, "CreateContainerConfigError", f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}"
+        )
+
+    def _set_status(self, ns: str, name: str, status: Obj) -> None:
+        try:
+            self.store.update(PODS, ns, name, lambda o: {**o, "status": {**o.get("status", {}), **status}})
+        except ApiError:
+            pass  # deleted meanwhile
+
+    def _event(
+        self, ns: str, pod: str, reason: str, message: str, kind: str, component: str = "kubelet"
+    ) -> None:
+        now = now_rfc3339()
+        obj = self.store.get(PODS, ns, pod) or {"metadata": {}}
+        self.store.create(
+            "/api/v1/events",
+            ns,
+            {
+                "kind": "Event",
+                "apiVersion": "v1",
+                "metadata": {"name": f"{pod}.{uuid.uuid4().hex[:12]}"},
+                "involvedObject": {
+                    "kind": "Pod",
+                    "namespace": ns,
+                    "name": pod,
+                    "apiVersion": "v1",
+                    "uid": obj["metadata"].get("uid"),
+                    "fieldPath": "spec.containers{base}",
+                },
+                "reason": reason,
+                "message": message,
+                "type": kind,
+                "count": 1,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "source": {"component": component},
+            },
+        )
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _rfc3339(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
