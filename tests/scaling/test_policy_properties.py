@@ -19,9 +19,9 @@ from aibrix_operators.scaling.policy import (
     RemainingWork,
     RoleObservation,
     RolePolicy,
+    deadline_replicas,
     decide,
     decide_roles,
-    deadline_replicas,
     history_from_list,
 )
 
