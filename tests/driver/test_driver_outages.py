@@ -250,3 +250,38 @@ async def test_outage_with_default_settings_the_issue_reproduction(tmp_path, fau
     assert outcome.outages >= 1
     results = results_by_id(storage, prefix, shard)
     assert len(results) == 3000 and all(r["error"] is None for r in results.values())
+
+
+async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fault_server, make_request):
+    from aibrix_operators.batch.job import request_cancel, run_shard_of_batch
+
+    storage = LocalStorage()
+    records = [make_request(f"k-{i:04d}", "slow:0.02") for i in range(400)]
+    inp = tmp_path / "input.jsonl"
+    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    out = str(tmp_path / "out")
+    report, batch = validate_batch(storage, str(inp), out)
+    assert report.ok
+    work = work_prefix(out, "run")
+    (shard,) = split_batch(storage, batch, work, 400, bytes_per_shard=1 << 30, max_shards=1)
+    log = shard_result_log(storage, results_prefix(work, shard.name), shard.uri)
+
+    async def cancel_after_first_checkpoint() -> float:
+        while not log.segments():
+            await asyncio.sleep(0.01)
+        request_cancel(storage, work)
+        return time.monotonic()
+
+    canceller = asyncio.create_task(cancel_after_first_checkpoint())
+    outcome = await run_shard_of_batch(storage, shard, work, config(fault_server, concurrency=4,
+                                                                    cancel_poll_s=0.1))
+    cancelled_at = await canceller
+    last_sent = max(t for cid in fault_server.counts() for t in fault_server.times(cid))
+    assert last_sent - cancelled_at < 1.0  # nothing new went out after the marker was seen
+    assert outcome.cancelled and 0 < outcome.completed < 400
+    summary, obj = finalize_batch(storage, batch, [shard], work)
+    assert obj.status == "cancelled" and obj.cancelled_at and obj.completed_at is None
+    counts = obj.request_counts
+    assert counts["total"] == 400 and counts["completed"] + counts["failed"] == 400
+    assert summary.error_codes == {"batch_cancelled": counts["failed"]}
+    assert counts["completed"] == len(fault_server.counts())  # every request sent was answered

@@ -10,6 +10,7 @@ Layout under the output prefix::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -26,6 +27,7 @@ from aibrix_operators.batch.failures import (
 )
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
 from aibrix_operators.batch.records import (
+    CANCELLED_CODE,
     EXPIRED_CODE,
     BatchObject,
     new_batch_id,
@@ -42,6 +44,19 @@ from aibrix_operators.storage import Storage, StorageError, join_uri
 def work_prefix(output_uri: str, run_id: str) -> str:
     """Per-run scratch space beside the outputs; run ids are made path- and key-safe."""
     return join_uri(output_uri, "_work", re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
+
+
+def cancel_marker_uri(work: str) -> str:
+    """The object whose existence cancels the run's drivers (``driver/cancel.py``)."""
+    return join_uri(work, "CANCEL")
+
+
+def request_cancel(storage: Storage, work: str, reason: str = "cancelled by the user") -> str:
+    """Cancel a running batch: its drivers stop sending within ``cancel_poll_s``; merge then
+    publishes status ``cancelled`` with every unanswered request as ``batch_cancelled``."""
+    uri = cancel_marker_uri(work)
+    storage.write_bytes(uri, json.dumps({"reason": reason, "at": int(time.time())}).encode())
+    return uri
 
 
 @dataclass
@@ -166,6 +181,9 @@ def split_batch(
 async def run_shard_of_batch(
     storage: Storage, shard: ShardSpec, work: str, config: DriverConfig
 ) -> ShardOutcome:
+    """Run one shard of the batch; the run's cancel marker is watched unless told otherwise."""
+    if config.cancel_uri is None:
+        config = dataclasses.replace(config, cancel_uri=cancel_marker_uri(work))
     return await run_shard(
         storage, shard.uri, results_prefix(work, shard.name), config,
         total=shard.num_requests, name=shard.name,
@@ -181,9 +199,10 @@ def finalize_batch(
 ) -> tuple[MergeSummary, BatchObject]:
     """Merge every shard's results and publish ``batch.json``.
 
-    The status is ``expired`` (OpenAI's) when the completion window ended with
-    requests unanswered (``batch_expired`` error lines); the answers that did
-    come are in the output file either way.
+    The status is ``cancelled`` when requests were left unanswered by a cancel
+    (``batch_cancelled`` lines), else ``expired`` (OpenAI's) when the completion window
+    ended with requests unanswered (``batch_expired`` lines); the answers that did come
+    are in the output file either way.
     """
     finalizing_at = int(time.time())
 
@@ -192,14 +211,17 @@ def finalize_batch(
 
     summary = merge_results(storage, shards, segments_of, batch.output_uri)
     ended = int(time.time())
-    expired = summary.error_codes.get(EXPIRED_CODE, 0) > 0
+    cancelled = summary.error_codes.get(CANCELLED_CODE, 0) > 0 or storage.exists(cancel_marker_uri(work))
+    expired = not cancelled and summary.error_codes.get(EXPIRED_CODE, 0) > 0
+    status = "cancelled" if cancelled else "expired" if expired else "completed"
     obj = BatchObject(
         id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
-        completion_window=batch.completion_window, status="expired" if expired else "completed",
+        completion_window=batch.completion_window, status=status,
         output_file_id=summary.output_uri, error_file_id=summary.errors_uri,
         created_at=batch.created_at, in_progress_at=in_progress_at or batch.created_at,
         expires_at=batch.expires_at, finalizing_at=finalizing_at,
-        completed_at=None if expired else ended, expired_at=ended if expired else None,
+        completed_at=ended if status == "completed" else None,
+        expired_at=ended if expired else None, cancelled_at=ended if cancelled else None,
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
     )

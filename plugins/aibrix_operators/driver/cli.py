@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--deadline", type=float, default=None, metavar="UNIX_TIME",
                        help="end of the completion window (seconds since the epoch); unanswered "
                             "requests end as batch_expired after it")
+    where.add_argument("--cancel-uri", default=None, metavar="URI",
+                       help="cancel marker: once an object exists here, no request starts and the "
+                            "unanswered ones end as batch_cancelled (the shard still finishes)")
     where.add_argument("--api-key-env", default=d.api_key_env, metavar="NAME",
                        help="environment variable holding the API key (default: %(default)s)")
     where.add_argument("--api-key-origin", default=None, metavar="ORIGIN",
@@ -152,6 +155,7 @@ def config_from(args: argparse.Namespace) -> DriverConfig:
         breaker_failures=args.breaker_failures,
         probe_interval_s=args.probe_interval, outage_budget_s=args.outage_budget,
         checkpoint_retry_s=args.checkpoint_retry, max_unflushed=args.max_unflushed,
+        cancel_uri=args.cancel_uri,
     )
 
 

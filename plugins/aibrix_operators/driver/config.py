@@ -45,6 +45,10 @@ class DriverConfig:
     # and workers pause once this many answers wait in memory for it.
     checkpoint_retry_s: float = 120.0
     max_unflushed: int = 20_000
+    # Cancel (driver/cancel.py): when an object exists at cancel_uri, no new request or attempt
+    # starts; unanswered requests end as batch_cancelled. Polled every cancel_poll_s.
+    cancel_uri: str | None = None
+    cancel_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -55,7 +59,7 @@ class DriverConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("probe_interval_s", "outage_budget_s", "checkpoint_retry_s", "flush_interval_s",
-                     "request_timeout_s", "connect_timeout_s"):
+                     "request_timeout_s", "connect_timeout_s", "cancel_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.endpoint.startswith(("http://", "https://")):

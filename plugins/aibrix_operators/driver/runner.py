@@ -23,7 +23,14 @@ from typing import Any
 import aiohttp
 
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
-from aibrix_operators.batch.records import EXPIRED_CODE, Usage, error_record, success_record
+from aibrix_operators.batch.records import (
+    CANCELLED_CODE,
+    EXPIRED_CODE,
+    Usage,
+    error_record,
+    success_record,
+)
+from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointHealth
@@ -64,6 +71,7 @@ class ShardOutcome:
     outages: int = 0  # times the breaker paused the shard
     paused_s: float = 0.0
     checkpoint_write_retries: int = 0
+    cancelled: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,8 +122,9 @@ async def run_shard(
         max_unflushed=max(config.max_unflushed, config.concurrency),
     )
     try:
+        cancel = CancelWatch(storage, config.cancel_uri, config.cancel_poll_s)
         with storage.open_read(shard_uri) as src:
-            await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome)
+            await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome, cancel)
     finally:
         outcome.completed = counters.completed
         outcome.failed = counters.failed
@@ -134,8 +143,9 @@ async def _send_all(
     writer: CheckpointWriter,
     progress: ProgressReporter,
     outcome: ShardOutcome,
+    cancel: CancelWatch,
 ) -> None:
-    """Workers, checkpoint writer, breaker probe and progress in one task group: the first
+    """Workers, checkpoint writer, breaker probe, cancel watch and progress in one task group: the first
     failure cancels the rest, and the sessions close once."""
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, connect=config.connect_timeout_s)
     connector = aiohttp.TCPConnector(limit=config.concurrency, limit_per_host=config.concurrency)
@@ -151,11 +161,12 @@ async def _send_all(
             failure_threshold=config.breaker_failures, outage_budget_s=config.outage_budget_s,
             probe_interval_s=config.probe_interval_s, endpoint=config.base_url,
         )
-        sender = _Sender(session, config, counters, health)
+        sender = _Sender(session, config, counters, health, cancel)
         try:
             async with asyncio.TaskGroup() as tg:
                 write_task = tg.create_task(writer.run())
                 probe_task = tg.create_task(health.run())
+                cancel_task = tg.create_task(cancel.run())
                 report_task = tg.create_task(
                     progress.run(lambda: (counters.completed, counters.failed))
                 )
@@ -166,6 +177,7 @@ async def _send_all(
                 await asyncio.wait(workers)
                 writer.close()
                 probe_task.cancel()
+                cancel_task.cancel()
                 report_task.cancel()
                 await write_task
         except BaseExceptionGroup as group:
@@ -176,6 +188,7 @@ async def _send_all(
         finally:
             outcome.outages = health.outages
             outcome.paused_s = round(health.paused_s, 3)
+            outcome.cancelled = cancel.is_set
 
 
 def _first_cause(group: BaseExceptionGroup) -> BaseException:
@@ -252,8 +265,9 @@ class _Failure:
 class _Sender:
     def __init__(
         self, session: aiohttp.ClientSession, config: DriverConfig, counters: _Counters,
-        health: EndpointHealth,
+        health: EndpointHealth, cancel: CancelWatch,
     ) -> None:
+        self.cancel = cancel
         self.session = session
         self.config = config
         self.counters = counters
@@ -272,8 +286,10 @@ class _Sender:
         marks: deque[int] = deque(maxlen=2)
         last: _Failure | None = None
         while True:
-            if not await health.wait_closed(self._until_deadline()) or self._past_deadline():
-                return _expired(custom_id, last)
+            if self.cancel.is_set:
+                return _cancelled(custom_id, last)
+            if not await self._wait_for_endpoint() or self._past_deadline():
+                return _cancelled(custom_id, last) if self.cancel.is_set else _expired(custom_id, last)
             marks.append(health.successes)
             attempts += 1
             result = await self._attempt(custom_id, url, payload)
@@ -300,7 +316,26 @@ class _Sender:
             self.counters.retries += 1
             delay = backoff_delay(attempts, cfg.backoff_base_s, cfg.backoff_max_s, result.retry_after)
             remaining = self._until_deadline()
-            await asyncio.sleep(delay if remaining is None else min(delay, remaining))
+            await self._sleep_unless_cancelled(delay if remaining is None else min(delay, remaining))
+
+    async def _wait_for_endpoint(self) -> bool:
+        """Wait while the breaker is open; ``False`` when the deadline or a cancel came first."""
+        if not self.health.is_open:
+            return True
+        waiter = asyncio.ensure_future(self.health.wait_closed(self._until_deadline()))
+        cancelled = asyncio.ensure_future(self.cancel.requested.wait())
+        try:
+            await asyncio.wait((waiter, cancelled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+            waiter.cancel()
+        return waiter.done() and not waiter.cancelled() and waiter.result() and not self.cancel.is_set
+
+    async def _sleep_unless_cancelled(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.cancel.requested.wait(), seconds)
+        except TimeoutError:
+            pass
 
     def _past_deadline(self) -> bool:
         return self.config.deadline is not None and time.time() >= self.config.deadline
@@ -350,6 +385,13 @@ def _expired(custom_id: str, last: _Failure | None) -> dict[str, Any]:
     if last is not None:
         message += f"; its last attempt failed with {last.code}: {last.message}"
     return error_record(custom_id, EXPIRED_CODE, message)
+
+
+def _cancelled(custom_id: str, last: _Failure | None) -> dict[str, Any]:
+    message = "the batch was cancelled before this request was answered"
+    if last is not None:
+        message += f"; its last attempt failed with {last.code}: {last.message}"
+    return error_record(custom_id, CANCELLED_CODE, message)
 
 
 def _describe(exc: BaseException) -> str:

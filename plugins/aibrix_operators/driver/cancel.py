@@ -1,0 +1,45 @@
+"""Cancel: a marker object the driver watches, the same way in a worker and in a pod.
+
+Whoever cancels a batch (the Batch API, an operator) writes any object at the run's
+cancel URI (``batch.job.cancel_marker_uri``). Each driver polls for it; once it is
+there no request and no retry starts, requests in flight finish, and every request
+not answered yet ends as a ``batch_cancelled`` error line, so the shard still
+finishes with every id accounted for and merge can publish a ``cancelled`` batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aibrix_operators.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class CancelWatch:
+    def __init__(self, storage: Storage, uri: str | None, poll_s: float) -> None:
+        self.storage = storage
+        self.uri = uri
+        self.poll_s = poll_s
+        self.requested = asyncio.Event()
+
+    @property
+    def is_set(self) -> bool:
+        return self.requested.is_set()
+
+    async def run(self) -> None:
+        if self.uri is None:
+            return
+        while not self.requested.is_set():
+            try:
+                found = await asyncio.to_thread(self.storage.exists, self.uri)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not fail the shard
+                log.warning("cannot check the cancel marker %s (%s); will look again", self.uri, exc)
+                found = False
+            if found:
+                log.warning("cancel requested (%s): no new requests; unanswered ones end as "
+                            "batch_cancelled", self.uri)
+                self.requested.set()
+                return
+            await asyncio.sleep(self.poll_s)
