@@ -18,6 +18,7 @@ from aibrix_operators.batch.records import (
     DEFAULT_MAX_REQUESTS,
     SUPPORTED_ENDPOINTS,
 )
+from aibrix_operators.hooks.driver_pods import dispatch_pool
 from aibrix_operators.localenv import default_output_uri
 from aibrix_operators.operators import (
     DispatchShardOperator,
@@ -86,7 +87,18 @@ PARAMS = {
     ),
     "execution_mode": Param(
         "local", type="string", enum=["local", "kubernetes"],
-        description="Where shard drivers run: in the Airflow worker, or in pods.",
+        description="Where shard drivers run: in the Airflow worker, or in driver pods (deferrable "
+        "KubernetesPodOperator; cluster, image and Secrets are the deployment's: docs/dispatch.md).",
+    ),
+    "kubernetes_namespace": Param(
+        "", type="string",
+        description="kubernetes mode: namespace of the driver pods. Empty: the deployment's; any other "
+        "must be in [aibrix_batch] allowed_kubernetes_namespaces.",
+    ),
+    "kubernetes_service_account": Param(
+        "", type="string",
+        description="kubernetes mode: service account of the driver pods. Empty: the deployment's; any "
+        "other must be in [aibrix_batch] allowed_kubernetes_service_accounts.",
     ),
     "max_requests": Param(DEFAULT_MAX_REQUESTS, type="integer", minimum=1),
     "max_file_bytes": Param(DEFAULT_MAX_FILE_BYTES, type="integer", minimum=1),
@@ -143,7 +155,12 @@ with DAG(
         endpoint_wait_s="{{ params.endpoint_wait_s }}",
         outage_budget_s="{{ params.outage_budget_s }}",
         execution_mode="{{ params.execution_mode }}",
+        kubernetes_namespace="{{ params.kubernetes_namespace }}",
+        kubernetes_service_account="{{ params.kubernetes_service_account }}",
         aws_conn_id="{{ params.aws_conn_id }}",
+        # Bounds concurrent dispatch tasks, and so driver pods (create it with --include-deferred:
+        # a deferred task waiting on its pod must keep its slot). default_pool unless configured.
+        pool=dispatch_pool(),
         retries=2,
         retry_delay=timedelta(seconds=5),
     ).expand(shard=split.output)

@@ -1,10 +1,11 @@
 """Run one shard's requests: the step that is swappable between execution modes.
 
 ``execution_mode="local"`` runs the batch driver inside the Airflow worker.
-``"kubernetes"`` (a later step of the roadmap) will run the same driver
-(``python -m aibrix_operators.driver``) in a pod; validation, splitting and
-merging do not change, because the driver reads its shard from and writes its
-results to the same URIs in both modes.
+``"kubernetes"`` runs the same driver (``python -m aibrix_operators.driver.cli``) in a
+pod through the provider's KubernetesPodOperator, deferred while the pod runs (no worker
+slot held); validation, splitting and merging do not change, because the driver reads
+its shard from and writes its results to the same URIs in both modes. See
+docs/dispatch.md.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from aibrix_operators.batch.job import ValidatedBatch, run_shard_of_batch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
+from aibrix_operators.driver.results import results_prefix
+from aibrix_operators.driver_pods.outcome import DriverPodFailure
+from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
+from aibrix_operators.hooks.driver_pods import load_driver_pod_settings
 from aibrix_operators.hooks.trust import load_policy, resolve_inference
 from aibrix_operators.operators.step_errors import records_step_error
 from aibrix_operators.storage import Storage
@@ -58,14 +63,53 @@ class LocalShardExecutor:
             raise AirflowFailException(str(exc)) from exc
 
 
+class KubernetesShardExecutor:
+    """Runs the driver CLI in a pod (``DriverPodOperator``), deferring while it runs.
+
+    ``start`` raises ``TaskDeferred``; ``finish`` turns the pod's end into the task's
+    XCom (the driver's outcome) or a failure that says whether a retry can help.
+    """
+
+    def __init__(self, settings: DriverPodSettings) -> None:
+        self.settings = settings
+
+    def operator(self, request: DriverPodRequest, task_id: str):  # -> DriverPodOperator
+        from aibrix_operators.operators.driver_pod import DriverPodOperator  # the provider loads only here
+
+        return DriverPodOperator(task_id=task_id, pod=build_driver_pod(self.settings, request),
+                                 settings=self.settings)
+
+    def start(self, context: Context, request: DriverPodRequest) -> None:
+        op = self.operator(request, context["ti"].task_id)
+        op.log.info("driver pod %s in namespace %s, image %s, labels %s", op.name, op.namespace, op.image,
+                    op.labels)
+        _raise_for(op.start, context)
+
+    def finish(self, context: Context, request: DriverPodRequest, event: dict[str, Any]) -> dict[str, Any]:
+        op = self.operator(request, context["ti"].task_id)
+        verdict = _raise_for(op.finish, context, event)
+        if verdict.failure is not None:
+            raise_failure(verdict.failure)
+        assert verdict.outcome is not None
+        return verdict.outcome
+
+
+def _raise_for(call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except DriverPodFailure as failure:
+        raise_failure(failure)
+
+
+def raise_failure(failure: DriverPodFailure) -> None:
+    """Retryable failures get Airflow's retries; the others fail the task at once."""
+    kind = AirflowException if failure.retryable else AirflowFailException
+    raise kind(str(failure)) from failure
+
+
 def executor_for(mode: str, endpoint_wait_s: float = 0.0) -> ShardExecutor:
     if mode == "local":
         return LocalShardExecutor(endpoint_wait_s)
-    if mode == "kubernetes":
-        raise AirflowFailException(
-            "execution_mode 'kubernetes' is not available in this release; use 'local' "
-            "(see docs/dispatch.md for the seam it will use)"
-        )
     raise AirflowFailException(f"execution_mode {mode!r} is not one of {EXECUTION_MODES}")
 
 
@@ -75,6 +119,7 @@ class DispatchShardOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
         "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id", "outage_budget_s",
+        "kubernetes_namespace", "kubernetes_service_account",
     )
 
     def __init__(
@@ -91,6 +136,8 @@ class DispatchShardOperator(BaseOperator):
         outage_budget_s: float = 900.0,
         inference_conn_id: str | None = None,
         aws_conn_id: str | None = None,
+        kubernetes_namespace: str | None = None,
+        kubernetes_service_account: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -105,9 +152,14 @@ class DispatchShardOperator(BaseOperator):
         self.outage_budget_s = outage_budget_s
         self.inference_conn_id = inference_conn_id
         self.aws_conn_id = aws_conn_id
+        self.kubernetes_namespace = kubernetes_namespace
+        self.kubernetes_service_account = kubernetes_service_account
 
     @records_step_error("dispatch")
     def execute(self, context: Context) -> dict[str, Any]:
+        if self.execution_mode == "kubernetes":
+            request = self._pod_request(context)
+            KubernetesShardExecutor(self._pod_settings()).start(context, request)
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)
         try:
@@ -127,3 +179,51 @@ class DispatchShardOperator(BaseOperator):
         work = work_prefix(batch.output_uri, context["run_id"])
         executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
         return executor.run(storage, shard, work, config, batch.model)
+
+    @records_step_error("dispatch")
+    def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after the driver pod's trigger fired (the provider's method name, kept so a
+        re-deferral by the provider comes back here)."""
+        request = self._pod_request(context)
+        outcome = KubernetesShardExecutor(self._pod_settings()).finish(context, request, event)
+        self.log.info("shard %s: %s completed, %s failed (pod outcome)", request.shard_index,
+                      outcome.get("completed"), outcome.get("failed"))
+        return outcome
+
+    def _pod_settings(self) -> DriverPodSettings:
+        return load_driver_pod_settings()
+
+    def _pod_request(self, context: Context) -> DriverPodRequest:
+        """The same request on start and on resume: built from the task's (re-rendered) fields."""
+        shard = ShardSpec.from_dict(self.shard)
+        batch = ValidatedBatch.from_dict(self.validated)
+        try:
+            # Checked again here, not only in validate: this is where the requests leave.
+            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+        except (ValueError, TrustViolation) as exc:
+            raise AirflowFailException(str(exc)) from exc
+        if target.api_key:
+            # The pod's key is the deployment's inference Secret (bound to its own origin): a
+            # connection's password never goes into a pod spec.
+            self.log.info("execution_mode=kubernetes: the pod gets the API key of the inference Secret, "
+                          "not the password of connection %r", self.inference_conn_id)
+        work = work_prefix(batch.output_uri, context["run_id"])
+        if not shard.uri.startswith("s3://"):
+            self.log.warning("shard %s is a local path: a driver pod sees it only if it mounts the same "
+                             "file system at the same path", shard.uri)
+        try:
+            # Namespace and service account: the trigger's choice only among the deployment's.
+            settings = self._pod_settings()
+            namespace = settings.choose_namespace(self.kubernetes_namespace or None)
+            service_account = settings.choose_service_account(self.kubernetes_service_account or None)
+        except TrustViolation as exc:
+            raise AirflowFailException(str(exc)) from exc
+        return DriverPodRequest(
+            batch_id=batch.batch_id, shard_index=shard.index, shard_uri=shard.uri,
+            results_prefix=results_prefix(work, shard.name), endpoint=target.endpoint,
+            total_requests=shard.num_requests, deadline=float(batch.expires_at),
+            attempt=int(context["ti"].try_number), model=batch.model, concurrency=int(self.concurrency),
+            max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
+            endpoint_wait_s=float(self.endpoint_wait_s), outage_budget_s=float(self.outage_budget_s),
+            namespace=namespace, service_account=service_account,
+        )

@@ -37,6 +37,8 @@ def step_error_code(exc: BaseException, step: str) -> str:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        if isinstance(getattr(cur, "error_code", None), str):  # e.g. DriverPodFailure: says its own code
+            return cur.error_code  # type: ignore[union-attr]
         for cls in type(cur).__mro__:
             if cls.__name__ in _CODES:
                 return _CODES[cls.__name__]
@@ -45,13 +47,14 @@ def step_error_code(exc: BaseException, step: str) -> str:
 
 
 def records_step_error(step: str) -> Callable[[F], F]:
-    """Decorate an operator's ``execute(self, context)`` to publish its failure for ``record_failure``."""
+    """Decorate an operator's ``execute(self, context)`` (or a resume method after a deferral) to
+    publish its failure for ``record_failure``."""
 
     def wrap(execute: F) -> F:
         @functools.wraps(execute)
-        def run(self: Any, context: Any) -> Any:
+        def run(self: Any, context: Any, *args: Any, **kwargs: Any) -> Any:  # also resume methods (event=...)
             try:
-                return execute(self, context)
+                return execute(self, context, *args, **kwargs)
             except Exception as exc:
                 ti = context["ti"]
                 index = getattr(ti, "map_index", -1)
