@@ -3,6 +3,7 @@ stabilization, and enough capacity for the deadline whenever max_replicas allows
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -19,10 +20,10 @@ from aibrix_operators.scaling.policy import (
     RemainingWork,
     RoleObservation,
     RolePolicy,
+    RoleState,
     deadline_replicas,
     decide,
     decide_roles,
-    history_from_list,
 )
 
 # Deterministic and quick on a loaded 2-core box: derandomize, no per-example deadline.
@@ -52,11 +53,12 @@ def observations(p: RolePolicy) -> st.SearchStrategy[RoleObservation]:
     )
 
 
-def histories(p: RolePolicy, now: float) -> st.SearchStrategy[tuple[Recommendation, ...]]:
+def histories(p: RolePolicy, now: float) -> st.SearchStrategy[RoleState]:
     rec = st.builds(Recommendation, at=st.floats(now - 1200, now - 1),
                     replicas=st.integers(p.min_replicas // p.gang_size, p.max_replicas // p.gang_size)
                     .map(lambda g: g * p.gang_size))
-    return st.lists(rec, max_size=12).map(lambda hs: tuple(sorted(hs, key=lambda h: h.at)))
+    recs = st.lists(rec, max_size=12).map(lambda hs: tuple(sorted(hs, key=lambda h: h.at)))
+    return st.builds(RoleState, recs, st.one_of(st.none(), st.floats(1, 20_000)))
 
 
 NOW = 1_000_000.0
@@ -78,7 +80,7 @@ def test_within_bounds_and_gang_sized(data: st.DataObject, tokens: float, left: 
     assert d.desired_replicas % p.gang_size == 0
     assert d.recommendation % p.gang_size == 0
     assert d.reason in REASONS
-    assert d.reason == NO_WORK or d.history[-1] == Recommendation(NOW, d.recommendation)
+    assert d.reason == NO_WORK or d.state.recommendations[-1] == Recommendation(NOW, d.recommendation)
 
 
 @PROPS
@@ -134,7 +136,7 @@ def test_respects_the_stabilization_window(data: st.DataObject, steps: list[tupl
     (above the deadline floor) never exceeds the lowest recommendation in the up-window."""
     p = data.draw(policies())
     obs = data.draw(observations(p))
-    current, hist, now = obs.current_replicas, (), NOW
+    current, hist, now = obs.current_replicas, RoleState(), NOW
     recs: list[Recommendation] = []
     for tokens, dt in steps:
         now += dt
@@ -151,7 +153,7 @@ def test_respects_the_stabilization_window(data: st.DataObject, steps: list[tupl
                 assert d.desired_replicas >= min(p.to_gang(current), max(down_window)), d
             if d.desired_replicas > p.to_gang(current) and d.reason != DEADLINE_INFEASIBLE:
                 assert d.desired_replicas <= max(min(up_window), p.to_gang(d.deadline_replicas)), d
-        current, hist = d.desired_replicas, d.history
+        current, hist = d.desired_replicas, d.state
 
 
 def decode_policy(**kw: object) -> RolePolicy:
@@ -182,8 +184,8 @@ def test_decode_waits_out_its_windows_and_prefill_does_not() -> None:
     # Little work left: the floor is 2; decode holds 8 through its 600 s window, prefill drops after 60 s.
     small = RemainingWork(10, 1e5, 1e5)
     big = RemainingWork(10, 1e9, 1e9)
-    h_dec = decide(dec, big, obs8, 0, 86_400).history
-    h_pre = decide(pre, big, obs8, 0, 86_400).history
+    h_dec = decide(dec, big, obs8, 0, 86_400).state
+    h_pre = decide(pre, big, obs8, 0, 86_400).state
     d = decide(dec, small, obs8, 30, 86_400, h_dec)
     assert (d.desired_replicas, d.reason) == (8, HOLD_STABILIZING)
     assert decide(pre, small, obs8, 30, 86_400, h_pre).desired_replicas == 8
@@ -204,13 +206,13 @@ def test_decode_load_scale_up_waits_for_its_up_window() -> None:
     d0 = decide(p, little, saturated(4, 4), 0, 86_400)
     assert (d0.desired_replicas, d0.reason) == (4, HOLD_SATURATED)
     # Two more pods came up (someone else scaled): recommendation 6, but held at 4 for 120 s.
-    d1 = decide(p, little, saturated(4, 6), 60, 86_400, d0.history)
+    d1 = decide(p, little, saturated(4, 6), 60, 86_400, d0.state)
     assert (d1.recommendation, d1.desired_replicas, d1.reason) == (6, 4, HOLD_STABILIZING)
-    d2 = decide(p, little, saturated(4, 8), 150, 86_400, d1.history)  # window (30, 150]: recs 6, 8
+    d2 = decide(p, little, saturated(4, 8), 150, 86_400, d1.state)  # window (30, 150]: recs 6, 8
     assert (d2.desired_replicas, d2.reason) == (6, "scale_up")
     prefill = RolePolicy.prefill(**{**p.__dict__, "role": "prefill", "work": "output_tokens",
                                     "scale_up_window_s": 0})
-    assert decide(prefill, little, saturated(4, 8), 150, 86_400, d1.history).desired_replicas == 8
+    assert decide(prefill, little, saturated(4, 8), 150, 86_400, d1.state).desired_replicas == 8
 
 
 def test_saturated_role_is_not_scaled_down_and_its_observation_is_capacity() -> None:
@@ -228,11 +230,28 @@ def test_saturated_role_is_not_scaled_down_and_its_observation_is_capacity() -> 
 def test_no_work_scales_to_min_at_once_and_history_round_trips() -> None:
     p = decode_policy()
     d = decide(p, RemainingWork(0, 0, 0), RoleObservation(12, 12, 1e4), 5, 100,
-               (Recommendation(1, 12),))
-    assert (d.desired_replicas, d.reason, d.history) == (2, NO_WORK, ())
-    d2 = decide(p, RemainingWork(5, 1, 1e6), RoleObservation(4, 4), 10, 86_400)
-    assert history_from_list(d2.history_as_list()) == d2.history
-    assert "history" not in d2.as_dict() and d2.as_dict()["reason"] == d2.reason
+               RoleState((Recommendation(1, 12),)))
+    assert (d.desired_replicas, d.reason, d.state.recommendations) == (2, NO_WORK, ())
+    d2 = decide(p, RemainingWork(5, 1, 1e6), RoleObservation(4, 4, 4000.0, waiting=50), 10, 86_400)
+    assert RoleState.from_dict(json.loads(json.dumps(d2.state.as_dict()))) == d2.state
+    assert d2.state.capacity_per_replica == 1000.0
+    assert "state" not in d2.as_dict() and json.loads(json.dumps(d2.as_dict()))["reason"] == d2.reason
+
+
+def test_capacity_is_learnt_from_saturated_observations_and_smoothed() -> None:
+    p = decode_policy(capacity_smoothing=0.5)
+    work = RemainingWork(10, 0, 1e6)
+    d1 = decide(p, work, RoleObservation(4, 4, 2400.0, waiting=40), 0, 86_400)
+    assert (d1.capacity_per_replica, d1.capacity_source) == (600, "observed_saturated")
+    # A noisy saturated interval moves it half way only.
+    d2 = decide(p, work, RoleObservation(4, 4, 3200.0, waiting=40), 60, 86_400, d1.state)
+    assert d2.capacity_per_replica == 700
+    # Unsaturated and slower (its neighbour is the bottleneck): the learnt figure stands,
+    # not the optimistic nominal 1000; faster unsaturated observations raise it.
+    d3 = decide(p, work, RoleObservation(4, 4, 800.0), 120, 86_400, d2.state)
+    assert (d3.capacity_per_replica, d3.capacity_source) == (700, "learnt")
+    d4 = decide(p, work, RoleObservation(4, 4, 3600.0), 180, 86_400, d3.state)
+    assert (d4.capacity_per_replica, d4.capacity_source) == (900, "observed")
 
 
 def test_decide_roles_decides_each_role_on_its_own_work() -> None:

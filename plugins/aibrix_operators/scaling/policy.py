@@ -1,8 +1,9 @@
 """The scaling policy: remaining work + deadline + observed throughput + vLLM load → replicas per role.
 
-Pure: no Airflow, no I/O, no clock. The caller passes ``now`` and the history of
-earlier recommendations it got back from the previous decision, so the same
-inputs always give the same decision (and tests and the bench can replay time).
+Pure: no Airflow, no I/O, no clock. The caller passes ``now`` and the ``RoleState``
+it got back from the previous decision (earlier recommendations, learnt capacity),
+so the same inputs always give the same decision (and tests and the bench can
+replay time).
 
 How one role's replicas are chosen:
 
@@ -15,9 +16,11 @@ How one role's replicas are chosen:
    (``deadline_feasible=False``) and asks for the maximum.
 2. **Capacity per replica.** Observed throughput per ready replica is the role's
    capacity only while the role is saturated (requests waiting, or the KV cache
-   nearly full); an unsaturated role is limited by its neighbour or by the
-   drivers, so its observation is a lower bound and the benchmarked
-   ``nominal_tokens_per_s`` is used if larger.
+   nearly full); it is learnt as a moving average (``capacity_smoothing``) so one
+   noisy interval does not flip the plan. An unsaturated role is limited by its
+   neighbour or by the drivers, so its observation is only a lower bound: it
+   raises the learnt figure, never lowers it. Until anything is learnt, the
+   benchmarked ``nominal_tokens_per_s`` stands in.
 3. **Load hold.** A saturated role is never scaled down: fewer replicas would
    only lengthen its queue (and, for decode, drop KV that must be recomputed).
 4. **Stabilization** (like the HPA's ``behavior``): a higher recommendation is
@@ -70,6 +73,7 @@ class RolePolicy:
     scale_down_window_s: float = 120.0
     waiting_per_replica_high: float = 1.0  # queued requests per replica that mean "saturated"
     kv_usage_high: float = 0.9
+    capacity_smoothing: float = 0.3  # weight of a new saturated observation in the learnt capacity
 
     def __post_init__(self) -> None:
         if self.gang_size < 1:
@@ -155,40 +159,61 @@ class ScaleDecision:
     reason: str
     message: str
     inputs: dict[str, Any]
-    history: tuple[Recommendation, ...] = field(default=(), repr=False)
+    state: RoleState = field(default_factory=lambda: RoleState(), repr=False)
 
     @property
     def changed(self) -> bool:
         return self.desired_replicas != self.current_replicas
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (XCom, log line); the history travels separately (``history_as_list``)."""
+        """JSON-ready (XCom, log line); the state travels separately (``state.as_dict()``)."""
         out = asdict(self)
-        del out["history"]
+        del out["state"]
         return out
 
-    def history_as_list(self) -> list[list[float]]:
-        return [[r.at, r.replicas] for r in self.history]
+
+@dataclass(frozen=True)
+class RoleState:
+    """What one decision hands to the next: recent recommendations and the learnt capacity."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    capacity_per_replica: float | None = None  # learnt from saturated observations
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"recommendations": [[r.at, r.replicas] for r in self.recommendations],
+                "capacity_per_replica": self.capacity_per_replica}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RoleState:
+        data = data or {}
+        recs = tuple(Recommendation(float(at), int(n)) for at, n in data.get("recommendations") or ())
+        cap = data.get("capacity_per_replica")
+        return cls(recs, float(cap) if cap is not None else None)
 
 
-def history_from_list(items: list[list[float]] | None) -> tuple[Recommendation, ...]:
-    return tuple(Recommendation(float(at), int(n)) for at, n in (items or ()))
-
-
-def capacity_per_replica(policy: RolePolicy, obs: RoleObservation) -> tuple[float, str, bool]:
+def capacity_per_replica(
+    policy: RolePolicy, obs: RoleObservation, learnt: float | None = None
+) -> tuple[float, str, bool]:
     """(tokens/s one replica can do, where that figure comes from, whether the role is saturated)."""
     ready = max(obs.ready_replicas, 0)
     saturated = ready > 0 and (
         obs.waiting / ready > policy.waiting_per_replica_high or obs.kv_usage >= policy.kv_usage_high
     )
     if obs.tokens_per_s is None or ready == 0 or obs.tokens_per_s <= 0:
+        if learnt is not None:
+            return learnt, "learnt", saturated
         return policy.nominal_tokens_per_s, "nominal", saturated
     observed = obs.tokens_per_s / ready
     if saturated:
-        return observed, "observed_saturated", True
-    if observed >= policy.nominal_tokens_per_s:
+        if learnt is None:
+            return observed, "observed_saturated", True
+        a = policy.capacity_smoothing
+        return a * observed + (1 - a) * learnt, "observed_saturated", True
+    # Unsaturated: the observation is a lower bound of what a replica can do.
+    prior = learnt if learnt is not None else policy.nominal_tokens_per_s
+    if observed >= prior:
         return observed, "observed", False
-    return policy.nominal_tokens_per_s, "nominal", False
+    return prior, "learnt" if learnt is not None else "nominal", False
 
 
 def deadline_replicas(
@@ -228,10 +253,12 @@ def decide(
     obs: RoleObservation,
     now: float,
     deadline: float,
-    history: tuple[Recommendation, ...] = (),
+    state: RoleState | None = None,
 ) -> ScaleDecision:
-    """Desired replicas for one role now; pass the returned ``history`` to the next call."""
-    capacity, source, saturated = capacity_per_replica(policy, obs)
+    """Desired replicas for one role now; pass the returned ``state`` to the next call."""
+    state = state or RoleState()
+    capacity, source, saturated = capacity_per_replica(policy, obs, state.capacity_per_replica)
+    learnt = capacity if source != "nominal" else state.capacity_per_replica
     tokens = work.tokens(policy.work)
     time_left = deadline - now
     current = obs.current_replicas
@@ -248,8 +275,8 @@ def decide(
         return ScaleDecision(
             role=policy.role, at=now, current_replicas=current, desired_replicas=desired,
             recommendation=rec, deadline_replicas=need, deadline_feasible=need <= policy.max_replicas,
-            capacity_per_replica=round(capacity, 3), capacity_source=source, saturated=saturated,
-            reason=reason, message=message, inputs=inputs, history=hist,
+            capacity_per_replica=capacity, capacity_source=source, saturated=saturated,
+            reason=reason, message=message, inputs=inputs, state=RoleState(hist, learnt),
         )
 
     if work.requests <= 0 or tokens <= 0:
@@ -263,7 +290,7 @@ def decide(
     if saturated:
         rec = max(rec, policy.to_gang(obs.ready_replicas))
     keep_s = max(policy.scale_up_window_s, policy.scale_down_window_s)
-    hist = tuple(h for h in history if now - h.at < keep_s) + (Recommendation(now, rec),)
+    hist = tuple(h for h in state.recommendations if now - h.at <= keep_s) + (Recommendation(now, rec),)
     plan = (f"{tokens:.0f} {policy.work} in {time_left:.0f}s at {capacity:.1f}/s per replica "
             f"({source}) x {policy.target_utilization:g} needs {need}")
 
@@ -300,11 +327,11 @@ def decide_roles(
     observations: Mapping[str, RoleObservation],
     now: float,
     deadline: float,
-    histories: Mapping[str, tuple[Recommendation, ...]] | None = None,
+    states: Mapping[str, RoleState] | None = None,
 ) -> dict[str, ScaleDecision]:
     """One decision per role, each on its own (prefill and decode never wait for each other)."""
-    histories = histories or {}
+    states = states or {}
     return {
-        role: decide(policy, work, observations[role], now, deadline, histories.get(role, ()))
+        role: decide(policy, work, observations[role], now, deadline, states.get(role))
         for role, policy in policies.items()
     }
