@@ -24,20 +24,31 @@ from tests.driver.test_driver_faults import config, results_by_id, write_shard
 RETRY_BUDGET_S = 0.03
 
 
-def take_down_after_first_result(server, prefix_log, down_s: float) -> threading.Thread:
-    """Stop the server once the shard has written its first checkpoint, bring it back later."""
+class Outage(threading.Thread):
+    """Stops the server once the shard has written its first checkpoint and brings it back
+    after ``down_s`` — or as soon as ``end()`` is called."""
 
-    def outage() -> None:
+    def __init__(self, server, prefix_log, down_s: float) -> None:
+        super().__init__(daemon=True)
+        self.server, self.log, self.down_s = server, prefix_log, down_s
+        self._end = threading.Event()
+        self.start()
+
+    def run(self) -> None:
         deadline = time.monotonic() + 20
-        while not prefix_log.segments() and time.monotonic() < deadline:
+        while not self.log.segments() and time.monotonic() < deadline:
             time.sleep(0.01)
-        server.down()
-        time.sleep(down_s)
-        server.up()
+        self.server.down()
+        self._end.wait(self.down_s)
+        self.server.up()
 
-    thread = threading.Thread(target=outage, daemon=True)
-    thread.start()
-    return thread
+    def end(self) -> None:
+        self._end.set()
+        self.join()
+
+
+def take_down_after_first_result(server, prefix_log, down_s: float) -> Outage:
+    return Outage(server, prefix_log, down_s)
 
 
 async def test_outage_longer_than_retry_budget_loses_and_fails_nothing(tmp_path, fault_server, make_request):
@@ -71,12 +82,11 @@ async def test_outage_past_budget_fails_task_then_retry_completes(tmp_path, faul
     # Nothing unanswered was recorded: every stored line is a success.
     stored = results_by_id(storage, prefix, shard)
     assert 0 < len(stored) < 300 and all(r["error"] is None for r in stored.values())
-    fault_server.up()  # the endpoint is back; Airflow retries the task
+    thread.end()  # the endpoint is back; Airflow retries the task
     outcome = await run_shard(storage, shard, prefix, config(fault_server, concurrency=16))
     assert (outcome.resumed, outcome.completed, outcome.failed) == (len(stored), 300 - len(stored), 0)
     results = results_by_id(storage, prefix, shard)
     assert len(results) == 300 and all(r["error"] is None for r in results.values())
-    thread.join(0)
 
 
 async def test_503_storm_for_every_request_is_an_outage_not_error_lines(tmp_path, fault_server, make_request):
