@@ -228,7 +228,7 @@ def deadline_replicas(
         return 0
     per_replica_rate = capacity * policy.target_utilization
     serve_s = time_left_s - policy.tail_s
-    if serve_s <= 0:
+    if serve_s <= 0 or per_replica_rate <= 0:  # (an observed rate can underflow to 0)
         return policy.max_replicas + 1
     if ready * per_replica_rate * serve_s >= tokens:
         return _replicas_for(tokens / (per_replica_rate * serve_s), policy.max_replicas)
