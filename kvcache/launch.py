@@ -152,7 +152,7 @@ class LocalServer:
 
     def complete(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | list[list[int]],
         max_tokens: int = 8,
         logprobs: int | None = 1,
         timeout_s: float = 300.0,

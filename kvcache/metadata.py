@@ -25,6 +25,10 @@ class ChunkTransfer:
     chunk_hash: str
     blocks: list[tuple[int, int]]
     req_id: str = ""
+    # Saves only: block ids loaded in the same step that the request's KV attends to (its
+    # own or, with vLLM's prefix caching, shared with a loading request). If any of their
+    # loads fails, this save is dropped.
+    deps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -41,7 +45,8 @@ class KVCacheWorkerReport(KVConnectorWorkerMetadata):
 
     stored: set[str] = field(default_factory=set)
     evicted: set[str] = field(default_factory=set)
-    # Requests with a failed load: vLLM recomputes them, so their saves must restart.
+    # Requests with a failed load or a dropped save: vLLM recomputes them (it rewinds every
+    # request holding a failed block), so their saves must restart.
     failed_reqs: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

@@ -33,6 +33,9 @@ TIER_CAPACITY = Gauge("kvcache_tier_capacity_bytes", "Capacity of a tier", ["tie
 EVICTIONS = Counter("kvcache_evictions", "Chunks evicted", ["tier"])
 INTEGRITY_FAILURES = Counter("kvcache_integrity_failures", "Loaded records failing key/layout/checksum")
 L2_ERRORS = Counter("kvcache_l2_errors", "L2 operations that failed (tier unreachable)", ["op"])
+SAVES_DROPPED = Counter(
+    "kvcache_saves_dropped", "Chunk saves not stored because their KV may be wrong", ["reason"]
+)
 SAVE_ERRORS = Counter("kvcache_save_errors", "Steps whose saves failed and were dropped")
 L2_DROPPED = Counter("kvcache_l2_writes_dropped", "L2 writes dropped because the queue was full")
 # Both are the forward's cost: time the compute thread spends in the connector's hooks for

@@ -159,7 +159,23 @@ class KVCacheScheduler:
             self._add_saves(meta, req_id, state, computed_after, queued)
         # Anything still pending was not scheduled after all; it will be asked again.
         self._pending_loads.clear()
+        self._add_deps(meta)
         return meta
+
+    def _add_deps(self, meta: KVCacheStepMetadata) -> None:
+        """Tell each save which of this step's loaded blocks its request reads. With vLLM's
+        prefix caching a request can share blocks another request is loading in this very
+        step; if that load fails, the worker must drop these saves too (by block, not by
+        request), or the unloaded blocks' bytes would be stored under valid keys."""
+        loaded = {b for item in meta.loads for _, b in item.blocks}
+        if not loaded:
+            return
+        deps: dict[str, list[int]] = {}
+        for item in meta.saves:
+            if item.req_id not in deps:
+                state = self._reqs.get(item.req_id)
+                deps[item.req_id] = sorted(loaded.intersection(state.block_ids)) if state else []
+            item.deps = deps[item.req_id]
 
     def _cacheable(self, new: Any) -> bool:
         # Our keys cover token ids only: multimodal inputs, LoRA adapters and prompt

@@ -110,6 +110,10 @@ class KVCacheWorker:
         # Requests whose load failed this step: the KV they computed this step attended
         # to blocks that were not loaded, so none of it may be saved.
         self._step_failed_reqs: set[str] = set()
+        # Block ids whose load failed this step. With vLLM's prefix caching another request
+        # may share those very blocks (or attend to them) in the same step, so saves are
+        # invalidated by block, not only by the request whose load failed.
+        self._step_failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._report_lock = threading.Lock()
         self._errors: set[int] = set()
@@ -415,6 +419,7 @@ class KVCacheWorker:
             with self._report_lock:
                 self._failed_reqs |= self._step_failed_reqs
             self._step_failed_reqs = set()
+            self._step_failed_blocks = set()
             return
         t0 = time.perf_counter()
         if step is None:
@@ -440,14 +445,34 @@ class KVCacheWorker:
             metrics.SAVE_SECONDS.observe(spent)
             return
         failed, self._step_failed_reqs = self._step_failed_reqs, set()
+        bad_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
+        poisoned = self._poisoned_saves(step, failed, bad_blocks)
         with self._report_lock:
-            self._failed_reqs |= failed
-        self._commit(step, failed)
+            # Requests whose saves were dropped re-plan them (vLLM rewinds every request
+            # holding a failed block, so they recompute those chunks).
+            self._failed_reqs |= failed | {step.items[i].req_id for i in poisoned}
+        self._commit(step, poisoned)
         # Time the forward spent on this step's saves: layer copies issued in save_kv_layer
         # (CPU copies there run on the compute thread) plus this barrier.
         spent = step.blocked_s + time.perf_counter() - t0
         metrics.SAVE_SECONDS.observe(spent)
         self.stats.add("save_s", spent)
+
+    def _poisoned_saves(self, step: _StepSave, failed_reqs: set[str], bad_blocks: set[int]) -> set[int]:
+        """Saves (indices) whose KV may come from a failed load: the chunk's own blocks were
+        to be loaded, or its request attended to such blocks (``deps``), or it is a request
+        whose load failed. Counted; they are never stored."""
+        out: set[int] = set()
+        for idx, item in enumerate(step.items):
+            if item.req_id in failed_reqs or (
+                bad_blocks
+                and (any(b in bad_blocks for _, b in item.blocks) or any(b in bad_blocks for b in item.deps))
+            ):
+                out.add(idx)
+        if out:
+            metrics.SAVES_DROPPED.labels("failed_load").inc(len(out))
+            self.stats.add("saves_dropped_failed_load", len(out))
+        return out
 
     def _drop_step_saves(self, step: _StepSave, error: BaseException) -> None:
         """A step whose copy-out failed stores nothing: its slots go back, and its requests
@@ -457,6 +482,7 @@ class KVCacheWorker:
         _log_once("save-error", "kvcache: saving a step failed (%r); its chunks are not stored", error)
         step.release_all()
         failed, self._step_failed_reqs = self._step_failed_reqs, set()
+        self._step_failed_blocks = set()
         with self._report_lock:
             self._failed_reqs |= failed | {item.req_id for item in step.items}
 
@@ -487,7 +513,7 @@ class KVCacheWorker:
         for idx, value in zip(held, self._layer_sums(layer, list(held.values())), strict=True):
             step.sums[idx][layer] = value
 
-    def _commit(self, step: _StepSave, failed_reqs: set[str]) -> None:
+    def _commit(self, step: _StepSave, dropped: set[int]) -> None:
         assert self.slab is not None and self.copier is not None
         if self.cuda:
             for ev in step.events:
@@ -503,7 +529,7 @@ class KVCacheWorker:
         full = self.settings.l1_checksum == "full"
         for idx, item in enumerate(step.items):
             slot = step.slots[idx]
-            if item.req_id in failed_reqs or not step.copied[idx]:
+            if idx in dropped or not step.copied[idx]:
                 if slot is not None:
                     self.slab.unref(slot)
                 continue
@@ -764,6 +790,7 @@ class _StepLoad:
             with w._errors_lock:
                 w._errors |= bad
         w._step_failed_reqs = failed_reqs
+        w._step_failed_blocks = bad
         block_tokens = w.block_size
         metrics.TOKENS_LOADED.inc(loaded_tokens * block_tokens)
         metrics.TIER_BYTES.labels("l1").set(w.l1.bytes_used)

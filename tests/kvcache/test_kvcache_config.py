@@ -27,7 +27,7 @@ def test_chunk_must_be_block_multiple() -> None:
 
 
 def test_l1_checksum_values() -> None:
-    assert KVCacheSettings.from_extra(None).l1_checksum == "sampled"
+    assert KVCacheSettings.from_extra(None).l1_checksum == "full"  # xxh3-64 of every byte
     assert KVCacheSettings.from_extra({"l1_checksum": True}).l1_checksum == "full"
     assert KVCacheSettings.from_extra({"l1_checksum": False}).l1_checksum == "off"
     assert KVCacheSettings.from_extra({"l1_checksum": "full"}).l1_checksum == "full"

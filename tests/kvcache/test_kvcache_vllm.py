@@ -253,3 +253,52 @@ def test_redis_outage_then_recovery(conn: Conn, base: LocalServer, redis_l2: Red
     assert cached_tokens(hit) > 0
     assert_same(hit, first)
     assert conn.metrics()["kvcache_hit_chunks_total{tier=l2}"] > l2_hits
+
+
+def test_failed_shared_load_never_poisons_the_prefix(
+    conn: Conn, base: LocalServer, redis_l2: RedisServer
+) -> None:
+    """Hole 1. Two prompts sharing a 5-chunk prefix P arrive in one request (so usually one
+    engine step schedules both), with P stored only in Redis. With prefix caching on, vLLM gives
+    the second prompt the very blocks the first is loading P into, and the second's save
+    plan covers P's chunks from those blocks. The load is made to fail (test-only fault):
+    no save that read the unloaded blocks may be stored, and every later hit on P, from L1
+    and from Redis, must reproduce the baseline."""
+    shared = random_prompt(640, seed=60)
+    prompts = [shared + random_prompt(100, seed=61), shared + random_prompt(150, seed=62)]
+    expected = [full_prefill(base, p, max_tokens=8) for p in prompts]
+    keys_before = redis_l2.client().dbsize()
+    conn.fresh(shared + [1, 2, 3], max_tokens=1)  # store P (L1 and Redis)
+    _wait_for_keys(redis_l2.client(), keys_before + 5 * 4)
+    for i in range(2):  # 14 chunks through the 12-chunk L1: P is left in Redis only
+        conn.fresh(random_prompt(1000, seed=70 + i), max_tokens=1)
+    m0 = conn.metrics()
+    if conn.server.prefix_caching:
+        conn.server.reset_prefix_cache()
+    conn.fault.write_text("zeros")
+    try:
+        both = conn.server.complete(prompts, max_tokens=8)
+    finally:
+        conn.fault.unlink()
+    m1 = conn.metrics()
+    assert m1["kvcache_integrity_failures_total"] > m0["kvcache_integrity_failures_total"]
+    # Whether vLLM co-schedules the two prompts in one step (and so plans the second's save
+    # of P from the blocks the first is loading) depends on arrival timing, so this test
+    # does not require a dropped save; test_kvcache_worker's
+    # test_failed_load_drops_saves_by_block_not_by_request pins that rule down exactly.
+    choices = sorted(both["choices"], key=lambda c: c["index"])
+    for choice, want in zip(choices, expected, strict=True):
+        assert_same({"choices": [choice]}, want)
+    # Later hits on P: from L1 (what the recompute stored) ...
+    for p, want in zip(prompts, expected, strict=True):
+        hit = conn.fresh(p, max_tokens=8)
+        assert cached_tokens(hit) >= 640
+        assert_same(hit, want)
+    # ... and from Redis, once L1 no longer has P.
+    for i in range(2):
+        conn.fresh(random_prompt(1000, seed=72 + i), max_tokens=1)
+    l2_hits = conn.metrics().get("kvcache_hit_chunks_total{tier=l2}", 0.0)
+    hit = conn.fresh(prompts[1], max_tokens=8)
+    assert cached_tokens(hit) >= 640
+    assert conn.metrics()["kvcache_hit_chunks_total{tier=l2}"] >= l2_hits + 5
+    assert_same(hit, expected[1])

@@ -338,3 +338,35 @@ def test_pipeline_stages_never_share_keys(tmp_path) -> None:
     assert all(torch.equal(t[5], t[1]) for t in kv0.values())
     w0.shutdown()
     w1.shutdown()
+
+
+def test_failed_load_drops_saves_by_block_not_by_request() -> None:
+    """Hole 1: with vLLM's prefix caching, request B shares block 4 that request A is loading
+    in the same step and saves the chunk from it; B's later chunk attended to it. A's load
+    fails: both of B's saves must be dropped (never stored under a valid key), an unrelated
+    request C's save is kept, and A and B are told to re-plan their saves."""
+    w, kv = _worker({})
+    _fill(kv, [2, 3])
+    meta = KVCacheStepMetadata(
+        loads=[ChunkTransfer("p", [(0, 4)], "reqA")],  # absent from every tier: fails
+        saves=[
+            ChunkTransfer("p", [(0, 4)], "reqB", deps=[4]),  # the shared, unloaded block itself
+            ChunkTransfer("q", [(0, 2)], "reqB", deps=[4]),  # computed attending to it
+            ChunkTransfer("c", [(0, 3)], "reqC"),
+        ],
+        chunk_tokens=BS,
+    )
+    assert _step(w, meta) == {4}
+    report = w.take_report()
+    assert report is not None
+    assert report.failed_reqs == {"reqA", "reqB"}
+    assert report.stored == {"c"}
+    assert w.chunk_key("p") not in w.l1 and w.chunk_key("q") not in w.l1
+    stats = w.take_stats()
+    assert stats is not None and stats.data["saves_dropped_failed_load"] == 2
+    assert w.slab is not None and w.slab.slots_in_use == 1  # only c's
+    # The next step has no failed load: the same saves are stored.
+    _fill(kv, [4])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("p", [(0, 4)], "reqB", deps=[4])], chunk_tokens=BS))
+    assert w.chunk_key("p") in w.l1
+    w.shutdown()
