@@ -1,0 +1,1 @@
+"""Deferrable waits (run in the triggerer, no worker slot held)."""

@@ -1,0 +1,60 @@
+"""``RolesReadyTrigger``: wait, in the triggerer, until every role has its ready replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from aibrix_operators.scaling.kube import ScaleTarget, ScalingError, ready_replicas_async
+
+
+class RolesReadyTrigger(BaseTrigger):
+    """Polls each role's ready replicas (``kubernetes_asyncio``) until ``want[role]`` are ready.
+
+    Fires one event: ``{"status": "ready", "ready": {role: n}}``, or
+    ``{"status": "error", "message": ...}`` on a permanent API error (403, 404, retries
+    spent) or when ``timeout_s`` passes with roles still short.
+    """
+
+    def __init__(self, targets: list[dict[str, Any]], want: dict[str, int], kubernetes_conn_id: str,
+                 poll_interval_s: float = 10.0, timeout_s: float = 1800.0,
+                 started_at: float | None = None) -> None:
+        super().__init__()
+        self.targets = targets
+        self.want = want
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self.started_at = started_at if started_at is not None else time.time()
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "targets": self.targets, "want": self.want, "kubernetes_conn_id": self.kubernetes_conn_id,
+            "poll_interval_s": self.poll_interval_s, "timeout_s": self.timeout_s,
+            "started_at": self.started_at})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
+
+        targets = [ScaleTarget(**t) for t in self.targets]
+        hook = AsyncKubernetesHook(conn_id=self.kubernetes_conn_id)
+        ready: dict[str, int] = {}
+        try:
+            async with hook.get_conn() as api:
+                while True:
+                    for target in targets:
+                        ready[target.role] = (await ready_replicas_async(api, target)).ready
+                    if all(ready[role] >= n for role, n in self.want.items()):
+                        yield TriggerEvent({"status": "ready", "ready": ready})
+                        return
+                    if time.time() - self.started_at > self.timeout_s:
+                        yield TriggerEvent({"status": "error", "ready": ready, "message": (
+                            f"roles not ready after {self.timeout_s:g}s: ready {ready}, wanted {self.want}")})
+                        return
+                    await asyncio.sleep(self.poll_interval_s)
+        except ScalingError as exc:
+            yield TriggerEvent({"status": "error", "ready": ready, "message": str(exc)})
