@@ -27,6 +27,7 @@ from aibrix_operators.operators import (
     SplitBatchOperator,
     ValidateBatchOperator,
 )
+from aibrix_operators.sensors import AutoscaleSensor, RolesReadySensor, ScaleDownOperator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,3 +180,14 @@ with DAG(
         trigger_rule="one_failed",
     )
     [validate, split, dispatch, merge] >> record_failure
+    # Serving roles: act only with execution_mode=kubernetes and [aibrix_scaling] roles set;
+    # otherwise roles_ready succeeds at once and autoscale / scale_down skip (sensors/scaling.py).
+    roles_ready = RolesReadySensor(task_id="roles_ready", validated=validate.output,
+                                   execution_mode="{{ params.execution_mode }}",
+                                   aws_conn_id="{{ params.aws_conn_id }}")
+    autoscale = AutoscaleSensor(task_id="autoscale", validated=validate.output, shards=split.output,
+                                execution_mode="{{ params.execution_mode }}",
+                                aws_conn_id="{{ params.aws_conn_id }}")
+    scale_down = ScaleDownOperator(task_id="scale_down", execution_mode="{{ params.execution_mode }}")
+    split >> roles_ready >> [dispatch, autoscale]
+    [merge, autoscale] >> scale_down

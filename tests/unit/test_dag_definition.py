@@ -22,12 +22,17 @@ def dag():
 
 
 def test_tasks_are_wired_validate_split_dispatch_merge(dag):
-    assert set(dag.task_dict) == {"validate", "split", "dispatch", "merge", "record_failure"}
+    assert set(dag.task_dict) == {"validate", "split", "dispatch", "merge", "record_failure",
+                                  "roles_ready", "autoscale", "scale_down"}
     assert dag.task_dict["split"].upstream_task_ids == {"validate"}
-    assert dag.task_dict["dispatch"].upstream_task_ids == {"validate", "split"}
+    assert dag.task_dict["dispatch"].upstream_task_ids == {"validate", "split", "roles_ready"}
     assert dag.task_dict["merge"].upstream_task_ids == {"validate", "split", "dispatch"}
     assert dag.task_dict["record_failure"].trigger_rule == "one_failed"
     assert dag.task_dict["record_failure"].upstream_task_ids == {"validate", "split", "dispatch", "merge"}
+    # Scaling beside dispatch: merge never waits for it; scale_down runs whatever happened.
+    assert dag.task_dict["autoscale"].upstream_task_ids == {"validate", "split", "roles_ready"}
+    assert dag.task_dict["scale_down"].upstream_task_ids == {"merge", "autoscale"}
+    assert dag.task_dict["scale_down"].trigger_rule == "all_done"
 
 
 def test_every_param_has_a_type_and_the_form_needs_descriptions(dag):
