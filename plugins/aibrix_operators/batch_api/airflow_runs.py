@@ -1,0 +1,196 @@
+"""The Airflow side: batches are runs of ``batch_inference``, read and triggered in-process.
+
+The API runs inside the api-server, which holds a metadata-DB session factory,
+so it uses Airflow's own Python API (``trigger_dag``) and models (``DagRun``,
+``TaskInstance``, ``XComModel``) directly: no service credentials to keep for a
+REST hop, one indexed query per page instead of one HTTP call per batch, and
+the DAG run stays the only record of a batch.
+
+Run ids are ``openai__<tenant>__<batch_id>``; tenant names cannot contain ``_``,
+so the prefix match of a tenant never catches another's runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
+from aibrix_operators.batch.merging import BATCH_FILE
+from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.batch_api.files import batch_output_uri
+from aibrix_operators.batch_api.status import RunSnapshot, TaskState, batch_status
+from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
+from aibrix_operators.storage import Storage, StorageError, join_uri
+
+RUN_PREFIX = "openai__"
+_BINDINGS: dict[tuple[str, int], str] = {}  # (shard uri, size) → binding: shards never change
+
+
+def run_id_for(tenant: str, batch_id: str) -> str:
+    return f"{RUN_PREFIX}{tenant}__{batch_id}"
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value else None
+
+
+@dataclass
+class RunRow:
+    run_id: str
+    batch_id: str
+    state: str
+    conf: dict[str, Any]
+
+
+class BatchRuns:
+    """Triggers and reads the batch runs of one DAG, for one storage root."""
+
+    def __init__(self, dag_id: str, storage: Storage, root: str) -> None:
+        self.dag_id = dag_id
+        self.storage = storage
+        self.root = root
+
+    # ------------------------------------------------------------------ write
+    def trigger(self, run_id: str, conf: dict[str, Any]) -> tuple[RunRow, bool]:
+        """Start the run; if a run with this id exists (an idempotent retry), return it instead."""
+        from airflow.api.common.trigger_dag import trigger_dag
+        from airflow.exceptions import DagRunAlreadyExists
+        from airflow.utils.types import DagRunTriggeredByType
+
+        try:
+            dag_run = trigger_dag(self.dag_id, run_id=run_id, conf=conf,
+                                  triggered_by=DagRunTriggeredByType.REST_API,
+                                  triggering_user_name="openai-batch-api")
+        except DagRunAlreadyExists:
+            existing = self.get(run_id)
+            assert existing is not None
+            return existing, False
+        assert dag_run is not None
+        return RunRow(run_id, run_id.rsplit("__", 1)[-1], str(dag_run.state), dict(dag_run.conf or {})), True
+
+    # ------------------------------------------------------------------ read
+    def get(self, run_id: str) -> RunRow | None:
+        rows = self._rows([run_id], None, None, 1)
+        return rows[0] if rows else None
+
+    def list(self, tenant: str, after_run_id: str | None, limit: int) -> list[RunRow]:
+        """The tenant's runs, newest first (by the run table's id), starting after ``after``."""
+        return self._rows(None, f"{RUN_PREFIX}{tenant}__", after_run_id, limit)
+
+    def _rows(self, run_ids: list[str] | None, prefix: str | None, after: str | None,
+              limit: int) -> list[RunRow]:
+        from airflow.models import DagRun
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            query = select(DagRun.id, DagRun.run_id, DagRun.state, DagRun.conf).where(
+                DagRun.dag_id == self.dag_id)
+            if run_ids is not None:
+                query = query.where(DagRun.run_id.in_(run_ids))
+            if prefix is not None:
+                query = query.where(DagRun.run_id.startswith(prefix, autoescape=True))
+            if after is not None:
+                pivot = session.scalar(select(DagRun.id).where(
+                    DagRun.dag_id == self.dag_id, DagRun.run_id == after))
+                if pivot is None:
+                    return []
+                query = query.where(DagRun.id < pivot)
+            query = query.order_by(DagRun.id.desc()).limit(limit)
+            return [RunRow(r.run_id, r.run_id.rsplit("__", 1)[-1], str(r.state), dict(r.conf or {}))
+                    for r in session.execute(query)]
+
+    def snapshots(self, rows: Iterable[RunRow]) -> list[RunSnapshot]:
+        """Everything ``status.batch_object`` needs, with one task-instance query for all rows."""
+        from airflow.models import TaskInstance
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        rows = list(rows)
+        if not rows:
+            return []
+        tasks: dict[str, dict[str, list[TaskState]]] = {r.run_id: {} for r in rows}
+        with create_session() as session:
+            query = select(TaskInstance.run_id, TaskInstance.task_id, TaskInstance.state,
+                           TaskInstance.start_date, TaskInstance.end_date, TaskInstance.map_index).where(
+                TaskInstance.dag_id == self.dag_id, TaskInstance.run_id.in_([r.run_id for r in rows]))
+            for ti in session.execute(query.order_by(TaskInstance.map_index)):
+                tasks[ti.run_id].setdefault(ti.task_id, []).append(
+                    TaskState(str(ti.state) if ti.state else None, _ts(ti.start_date), _ts(ti.end_date)))
+        return [self._snapshot(row, tasks[row.run_id]) for row in rows]
+
+    def _snapshot(self, row: RunRow, tasks: dict[str, list[TaskState]]) -> RunSnapshot:
+        output = str(row.conf.get("output_uri", ""))
+        snap = RunSnapshot(row.batch_id, row.conf, _run_state(row.state), tasks)
+        if not output.startswith(self.root + "/"):
+            return snap  # not a run this API made: show nothing from storage
+        snap.batch_json = self._read_json(join_uri(output, BATCH_FILE))
+        work = work_prefix(output, row.run_id)
+        marker = self._read_json(cancel_marker_uri(work))
+        if marker is not None:
+            snap.cancel_at = int(marker.get("at") or 0) or None
+        if batch_status(snap) in ("in_progress", "cancelling", "finalizing"):
+            self._live_counts(snap, row.run_id, work)
+        return snap
+
+    def _live_counts(self, snap: RunSnapshot, run_id: str, work: str) -> None:
+        validated = self._xcom(run_id, "validate")
+        if isinstance(validated, dict):
+            snap.total_requests = int(validated.get("total_requests") or 0)
+        shards = self._xcom(run_id, "split")
+        if not isinstance(shards, list):
+            return
+        answered = errors = 0
+        for item in shards:
+            shard = ShardSpec.from_dict(item)
+            try:
+                binding = self._binding(shard.uri)
+                done, failed = ResultLog(self.storage, results_prefix(work, shard.name), binding).scan()
+            except (StorageError, OSError):
+                continue  # a shard being written or a store hiccup: counts catch up next poll
+            answered += len(done)
+            errors += failed
+        snap.live_counts = (snap.total_requests or sum(s["num_requests"] for s in shards), answered, errors)
+
+    def _binding(self, uri: str) -> str:
+        key = (uri, self.storage.size(uri))
+        if key not in _BINDINGS:
+            if len(_BINDINGS) > 10_000:
+                _BINDINGS.clear()
+            _BINDINGS[key] = fingerprint_shard(self.storage, uri).binding
+        return _BINDINGS[key]
+
+    def _xcom(self, run_id: str, task_id: str) -> Any:
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            value = session.scalar(select(XComModel.value).where(
+                XComModel.dag_id == self.dag_id, XComModel.run_id == run_id,
+                XComModel.task_id == task_id, XComModel.key == "return_value",
+                XComModel.map_index == -1))
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return None
+        return value
+
+    def _read_json(self, uri: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.storage.read_bytes(uri))
+        except (StorageError, OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def output_uri(self, tenant: str, batch_id: str) -> str:
+        return batch_output_uri(self.root, tenant, batch_id)
+
+
+def _run_state(state: str) -> str:
+    return state.rsplit(".", 1)[-1].lower()

@@ -1,0 +1,264 @@
+"""The FastAPI app of the Batch API: thin handlers over the core modules.
+
+Mounted by ``plugins/batch_api_plugin.py`` at ``/openai`` in the Airflow
+api-server, so clients use ``base_url="http://HOST:PORT/openai/v1"``. Airflow
+does not authenticate plugin routes: every route here depends on ``tenant``
+(bearer key → tenant), and every lookup is scoped to that tenant's prefix or
+run-id prefix, so another tenant's ids answer 404 exactly like unknown ones.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the route signatures'
+# ``Annotated`` dependencies (defined inside ``create_app``) as objects, not strings.
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from aibrix_operators.batch.job import request_cancel, work_prefix
+from aibrix_operators.batch_api import schemas
+from aibrix_operators.batch_api.airflow_runs import BatchRuns, RunRow, run_id_for
+from aibrix_operators.batch_api.auth import authenticate
+from aibrix_operators.batch_api.batches import (
+    check_endpoint,
+    check_metadata,
+    check_window,
+    dag_conf,
+    first_line_model,
+    request_digest,
+    route_for,
+)
+from aibrix_operators.batch_api.errors import ApiError, bad_request, error_body, not_found
+from aibrix_operators.batch_api.files import FileStore, StoredFile
+from aibrix_operators.batch_api.ids import check_batch_id, check_file_id, new_batch_id, output_file_id
+from aibrix_operators.batch_api.settings import ApiSettings
+from aibrix_operators.batch_api.status import TERMINAL, batch_object
+from aibrix_operators.batch_api.upload import receive_upload
+from aibrix_operators.storage import Storage, StorageError, join_uri
+
+log = logging.getLogger(__name__)
+IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,255}$")
+KEYRING_TTL_S = 10.0
+# A multipart envelope around the file: headers and boundaries, generously.
+MULTIPART_OVERHEAD = 64 * 1024
+
+
+@dataclass
+class ApiContext:
+    """What the handlers need, built once per process by the plugin (or a test)."""
+
+    settings: ApiSettings
+    storage: Storage
+    load_keyring: Callable[[], dict[str, str]]
+
+    def __post_init__(self) -> None:
+        self.files = FileStore(self.storage, self.settings.storage_root)
+        self.runs = BatchRuns(self.settings.dag_id, self.storage, self.settings.storage_root)
+        self._ring: dict[str, str] = {}
+        self._ring_at = -KEYRING_TTL_S
+        self._lock = threading.Lock()
+
+    def keyring(self) -> dict[str, str]:
+        # Cached briefly: a key added or revoked takes effect within KEYRING_TTL_S.
+        with self._lock:
+            if time.monotonic() - self._ring_at > KEYRING_TTL_S:
+                self._ring = self.load_keyring()
+                self._ring_at = time.monotonic()
+            return self._ring
+
+
+def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
+    app = FastAPI(title="AIBrix-on-Airflow OpenAI Batch API", version="1",
+                  description="OpenAI-compatible Files and Batches API; each batch is a run of "
+                  "the batch_inference DAG.")
+    holder: dict[str, ApiContext] = {}
+    holder_lock = threading.Lock()
+
+    def context() -> ApiContext:
+        with holder_lock:
+            if "ctx" not in holder:
+                holder["ctx"] = context_factory()
+            return holder["ctx"]
+
+    def tenant(authorization: Annotated[str | None, Header()] = None) -> str:
+        return authenticate(authorization, context().keyring())
+
+    Tenant = Annotated[str, Depends(tenant)]
+    common = schemas.error_responses(400, 401, 404, 422)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"invalid request: {first.get('msg', 'malformed body')}" + (f" ({param})" if param else "")
+        return JSONResponse(error_body(422, message, "invalid_request", param), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # Log the cause for operators; the client gets no internals (paths, other tenants).
+        log.exception("batch API internal error")
+        return JSONResponse(error_body(500, "internal error; see the api-server log"), status_code=500)
+
+    # ------------------------------------------------------------------ files
+    @app.post("/v1/files", response_model=schemas.FileObject,
+              responses=schemas.error_responses(400, 401, 413, 422),
+              openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {
+                  "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
+                      "file": {"type": "string", "format": "binary"},
+                      "purpose": {"type": "string", "enum": ["batch"]}}}}}}})
+    async def create_file(request: Request, tenant: Tenant) -> dict[str, Any]:
+        ctx = context()
+        limit = ctx.settings.max_file_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
+            raise ApiError(413, f"file exceeds the maximum size of {limit} bytes", "file_too_large", "file")
+        stored = await receive_upload(request.stream(), request.headers.get("content-type", ""),
+                                      ctx.files, tenant, limit)
+        log.info("tenant %s uploaded %s (%d bytes)", tenant, stored.id, stored.bytes)
+        return stored.as_openai()
+
+    @app.get("/v1/files", response_model=schemas.FileList, responses=common)
+    def list_files(
+        tenant: Tenant,
+        after: Annotated[str | None, Query(max_length=100)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+        order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+        purpose: Annotated[str | None, Query(max_length=40)] = None,
+    ) -> dict[str, Any]:
+        page, has_more = context().files.list(tenant, after, limit, order, purpose)
+        data = [f.as_openai() for f in page]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+    @app.get("/v1/files/{file_id}", response_model=schemas.FileObject, responses=common)
+    def get_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
+        return context().files.get(tenant, check_file_id(file_id)).as_openai()
+
+    @app.get("/v1/files/{file_id}/content", responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        **common}, response_class=StreamingResponse)
+    def file_content(file_id: str, tenant: Tenant) -> StreamingResponse:
+        try:
+            chunks = context().files.open_content(tenant, check_file_id(file_id))
+        except StorageError:
+            raise not_found("file", file_id) from None
+        return StreamingResponse(chunks, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}", response_model=schemas.FileDeleted, responses=common)
+    def delete_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
+        context().files.delete(tenant, check_file_id(file_id))
+        log.info("tenant %s deleted %s", tenant, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ------------------------------------------------------------------ batches
+    @app.post("/v1/batches", response_model=schemas.Batch,
+              responses=schemas.error_responses(400, 401, 404, 409, 422))
+    def create_batch(
+        body: schemas.CreateBatch, tenant: Tenant,
+        idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    ) -> dict[str, Any]:
+        ctx = context()
+        if idempotency_key is not None and not IDEMPOTENCY_KEY_RE.match(idempotency_key):
+            raise bad_request("Idempotency-Key must be 1 to 255 printable ASCII characters",
+                              "Idempotency-Key", "invalid_idempotency_key")
+        endpoint = check_endpoint(body.endpoint)
+        check_window(body.completion_window)
+        metadata = check_metadata(body.metadata)
+        file_id = check_file_id(body.input_file_id, "input_file_id")
+        stored = ctx.files.get(tenant, file_id)
+        if stored.purpose != "batch":
+            raise bad_request(f"file {file_id} has purpose {stored.purpose!r}, not 'batch'",
+                              "input_file_id", "invalid_input_file")
+        model, route = route_for(ctx.settings, first_line_model(ctx.storage, stored.content_uri))
+        digest = request_digest(body.model_dump())
+        batch_id = new_batch_id(tenant, idempotency_key)
+        conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
+                        body.completion_window, metadata, model, route, int(time.time()), digest)
+        row, created = ctx.runs.trigger(run_id_for(tenant, batch_id), conf)
+        if not created and row.conf.get("openai_batch", {}).get("digest") != digest:
+            raise ApiError(409, "this Idempotency-Key was used for a different request",
+                           "idempotency_conflict", "Idempotency-Key")
+        log.info("tenant %s %s batch %s", tenant, "created" if created else "re-requested", batch_id)
+        return _view(ctx, tenant, row)
+
+    @app.get("/v1/batches", response_model=schemas.BatchList, responses=common)
+    def list_batches(
+        tenant: Tenant,
+        after: Annotated[str | None, Query(max_length=100)] = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    ) -> dict[str, Any]:
+        ctx = context()
+        after_run = run_id_for(tenant, check_batch_id(after, "after")) if after else None
+        rows = ctx.runs.list(tenant, after_run, limit + 1)
+        data = [_present(ctx, tenant, s) for s in ctx.runs.snapshots(rows[:limit])]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+    @app.get("/v1/batches/{batch_id}", response_model=schemas.Batch, responses=common)
+    def get_batch(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        ctx = context()
+        return _view(ctx, tenant, _row(ctx, tenant, batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel", response_model=schemas.Batch, responses=common)
+    def cancel_batch(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        ctx = context()
+        row = _row(ctx, tenant, batch_id)
+        current = _view(ctx, tenant, row)
+        if current["status"] in TERMINAL or current["status"] == "cancelling":
+            return current  # a finished batch stays as it is; a second cancel changes nothing
+        request_cancel(ctx.storage, work_prefix(str(row.conf["output_uri"]), row.run_id),
+                       reason=f"cancelled through the Batch API by tenant {tenant}")
+        log.info("tenant %s cancelled batch %s", tenant, batch_id)
+        return _view(ctx, tenant, row)
+
+    return app
+
+
+def _row(ctx: ApiContext, tenant: str, batch_id: str) -> RunRow:
+    row = ctx.runs.get(run_id_for(tenant, check_batch_id(batch_id)))
+    if row is None:
+        raise not_found("batch", batch_id)
+    return row
+
+
+def _view(ctx: ApiContext, tenant: str, row: RunRow) -> dict[str, Any]:
+    return _present(ctx, tenant, ctx.runs.snapshots([row])[0])
+
+
+def _present(ctx: ApiContext, tenant: str, snap: Any) -> dict[str, Any]:
+    obj = batch_object(snap)
+    if obj["status"] in TERMINAL:
+        _register_outputs(ctx, tenant, snap.batch_id, str(snap.conf.get("output_uri", "")), obj)
+    return obj
+
+
+def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, obj: dict[str, Any]) -> None:
+    """Make the batch's output/error files visible as files (once; idempotent)."""
+    for kind, name in (("output", "output.jsonl"), ("errors", "errors.jsonl")):
+        file_id = output_file_id(batch_id, kind)
+        if file_id not in (obj["output_file_id"], obj["error_file_id"]) or ctx.files.exists(tenant, file_id):
+            continue
+        uri = join_uri(output, name)
+        try:
+            size = ctx.storage.size(uri)
+        except StorageError:
+            continue
+        ctx.files.save_meta(tenant, StoredFile(
+            id=file_id, bytes=size, created_at=int(obj.get("completed_at") or obj.get("cancelled_at")
+                                                   or obj.get("expired_at") or time.time()),
+            filename=f"{batch_id}_{name}", purpose="batch_output", content_uri=uri))

@@ -1,0 +1,118 @@
+"""``POST /v1/batches``: the request's rules, and the DAG run conf the API derives from it.
+
+The client names a file id, an endpoint, a completion window and metadata;
+everything the DAG needs beyond that (input and output locations, inference
+endpoint or connection, storage connection) comes from the deployment's
+settings, never from the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from aibrix_operators.batch.records import SUPPORTED_ENDPOINTS, parse_completion_window
+from aibrix_operators.batch_api.errors import bad_request
+from aibrix_operators.batch_api.files import batch_output_uri
+from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute
+from aibrix_operators.storage import Storage
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_WINDOW_S = 7 * 24 * 3600
+FIRST_LINE_LIMIT = 4 * 1024 * 1024
+# The conf key that carries what the API needs back (file id, creation time); not a DAG param.
+API_CONF_KEY = "openai_batch"
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object of string pairs", "metadata", "invalid_metadata")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata may have at most {MAX_METADATA_PAIRS} pairs", "metadata",
+                          "invalid_metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise bad_request("metadata values must be strings", "metadata", "invalid_metadata")
+        if len(key) > MAX_METADATA_KEY:
+            raise bad_request(f"metadata keys may have at most {MAX_METADATA_KEY} characters",
+                              "metadata", "invalid_metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise bad_request(f"metadata values may have at most {MAX_METADATA_VALUE} characters",
+                              "metadata", "invalid_metadata")
+    return dict(metadata)
+
+
+def check_window(window: str) -> int:
+    """``24h`` and other whole durations (``90m``, ``3600s``) up to a week; else 400."""
+    try:
+        seconds = parse_completion_window(window)
+    except ValueError as exc:
+        raise bad_request(str(exc), "completion_window", "invalid_completion_window") from None
+    if seconds > MAX_WINDOW_S:
+        raise bad_request("completion_window may be at most 168h", "completion_window",
+                          "invalid_completion_window")
+    return seconds
+
+
+def check_endpoint(endpoint: str) -> str:
+    if endpoint not in SUPPORTED_ENDPOINTS:
+        raise bad_request(f"endpoint must be one of {list(SUPPORTED_ENDPOINTS)}", "endpoint",
+                          "invalid_endpoint")
+    return endpoint
+
+
+def first_line_model(storage: Storage, uri: str) -> str | None:
+    """``body.model`` of the file's first line, or None if it cannot be read (validation in
+    the DAG then reports the file's errors with line numbers)."""
+    with storage.open_read(uri) as stream:
+        line = stream.readline(FIRST_LINE_LIMIT)
+    try:
+        model = json.loads(line)["body"]["model"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return model if isinstance(model, str) else None
+
+
+def route_for(settings: ApiSettings, model: str | None) -> tuple[str | None, ModelRoute]:
+    """The route of ``model``; 400 naming the models on offer if it is not one of them."""
+    offered = sorted(settings.models)
+    if not offered:
+        raise bad_request("this deployment serves no models (api_models is empty)", "model",
+                          "model_not_found")
+    if model is None:
+        # Unreadable first line: the DAG's validation fails the batch with line numbers.
+        return None, settings.models[offered[0]]
+    if model not in settings.models:
+        raise bad_request(f"model {model[:100]!r} is not served here; models on offer: "
+                          f"{', '.join(offered)}", "model", "model_not_found")
+    return model, settings.models[model]
+
+
+def request_digest(body: dict[str, Any]) -> str:
+    """Identifies a create request, so an Idempotency-Key reused for a different one is a 409."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def dag_conf(
+    settings: ApiSettings, tenant: str, batch_id: str, input_file_id: str, input_uri: str,
+    endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
+    created_at: int, digest: str,
+) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        **settings.dag_conf,
+        "input_uri": input_uri,
+        "output_uri": batch_output_uri(settings.storage_root, tenant, batch_id),
+        "batch_endpoint": endpoint,
+        "model": model,
+        "completion_window": window,
+        "metadata": metadata,
+        "aws_conn_id": settings.aws_conn_id,
+        **route.dag_params(),
+        API_CONF_KEY: {"input_file_id": input_file_id, "created_at": created_at, "digest": digest},
+    }
+    return conf

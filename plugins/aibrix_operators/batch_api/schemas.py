@@ -1,0 +1,113 @@
+"""Response shapes (OpenAI's, field for field) for the app's OpenAPI schema.
+
+They document the API and let schemathesis check every answer against it; the
+handlers build plain dicts (``status.batch_object``, ``StoredFile.as_openai``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"]
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                    "cancelling", "cancelled"]
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str = Field(max_length=200)
+    endpoint: str = Field(max_length=200)
+    completion_window: str = Field(max_length=20)
+    # Checked by hand (batches.check_metadata) so limits answer 400, as OpenAI does.
+    metadata: dict[str, Any] | None = None
+    output_expires_after: dict[str, Any] | None = None
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody} for code in codes}

@@ -1,0 +1,88 @@
+"""Deployment settings of the Batch API (the ``api_*`` keys of ``[aibrix_batch]``).
+
+Clients choose none of these: where files and outputs live, which connection
+reads them, which models exist and where they are served. The API derives every
+DAG param from them, and the DAG checks its own allow-list again on top.
+
+    [aibrix_batch]
+    api_storage_root = s3://team-batches/api        # tenants' files and outputs, one prefix each
+    api_aws_conn_id = batch_s3                       # empty: the default boto3 chain
+    api_models = gpt-4o-mini=conn:vllm_prod, tiny-llama=http://127.0.0.1:8000
+    api_max_file_bytes = 209715200                   # 200 MB, OpenAI's limit
+    api_dag_conf = {"concurrency": 64}               # extra DAG params the deployment fixes
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aibrix_operators.batch.records import DEFAULT_MAX_FILE_BYTES
+
+DAG_ID = "batch_inference"
+# DAG params a deployment may fix through api_dag_conf; never anything that names a place,
+# a connection or a file (those the API derives itself).
+TUNABLE_PARAMS = frozenset({
+    "requests_per_shard", "bytes_per_shard", "concurrency", "max_attempts", "endpoint_wait_s",
+    "outage_budget_s", "request_timeout_s", "max_requests", "max_line_bytes", "execution_mode",
+})
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Where requests for one model name go: a free-form endpoint or an inference connection."""
+
+    endpoint: str | None = None
+    inference_conn_id: str | None = None
+
+    def dag_params(self) -> dict[str, Any]:
+        if self.inference_conn_id:
+            return {"inference_conn_id": self.inference_conn_id, "endpoint": ""}
+        return {"endpoint": self.endpoint or "", "inference_conn_id": None}
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    storage_root: str
+    aws_conn_id: str | None = None
+    models: dict[str, ModelRoute] = field(default_factory=dict)
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    dag_conf: dict[str, Any] = field(default_factory=dict)
+    dag_id: str = DAG_ID
+
+
+def parse_models(text: str | None) -> dict[str, ModelRoute]:
+    """``name=http://host:port, other=conn:conn_id`` → routes."""
+    routes: dict[str, ModelRoute] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, target = item.partition("=")
+        name, target = name.strip(), target.strip()
+        if not sep or not name or not target:
+            raise ValueError(f"api_models entry {item!r} must be name=URL or name=conn:CONN_ID")
+        if target.startswith("conn:"):
+            routes[name] = ModelRoute(inference_conn_id=target[len("conn:"):])
+        else:
+            routes[name] = ModelRoute(endpoint=target)
+    return routes
+
+
+def load_settings(get: Callable[[str], str | None], default_root: Path) -> ApiSettings:
+    """Settings from a config getter (``get("api_models")``); ``default_root`` when unset."""
+    dag_conf = json.loads(get("api_dag_conf") or "{}")
+    unknown = set(dag_conf) - TUNABLE_PARAMS
+    if unknown:
+        raise ValueError(f"api_dag_conf may set only {sorted(TUNABLE_PARAMS)}, not {sorted(unknown)}")
+    root = (get("api_storage_root") or "").strip() or str(default_root)
+    return ApiSettings(
+        storage_root=root.rstrip("/"),
+        aws_conn_id=(get("api_aws_conn_id") or "").strip() or None,
+        models=parse_models(get("api_models")),
+        max_file_bytes=int(get("api_max_file_bytes") or DEFAULT_MAX_FILE_BYTES),
+        dag_conf=dag_conf,
+    )

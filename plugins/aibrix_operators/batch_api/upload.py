@@ -1,0 +1,137 @@
+"""``POST /v1/files``: a multipart body streamed straight into the file store.
+
+The body is parsed as it arrives (python-multipart's streaming parser); the
+file part goes to the store in ~1 MiB writes (local: a temp file renamed at the
+end; S3: 8 MiB multipart parts), so an upload costs bounded memory whatever its
+size. The size limit is enforced while streaming: the first byte over it aborts
+the write (nothing is published) and answers 413.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio.to_thread
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from aibrix_operators.batch_api.errors import ApiError, bad_request
+from aibrix_operators.batch_api.files import FileStore, StoredFile, now
+from aibrix_operators.batch_api.ids import check_filename, new_file_id
+
+WRITE_CHUNK = 1 << 20
+MAX_FIELD_BYTES = 1024
+ACCEPTED_PURPOSES = ("batch",)
+
+
+class _Parts:
+    """Collects small form fields in memory and hands the ``file`` part's bytes to a sink."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, bytes] = {}
+        self.filename: str | None = None
+        self.saw_file = False
+        self.pending: list[bytes] = []  # file bytes parsed but not yet written
+        self.pending_bytes = 0
+        self.file_bytes = 0
+        self._headers: dict[bytes, bytes] = {}
+        self._field = b""
+        self._value = b""
+        self._name: str | None = None
+        self._is_file = False
+
+    def callbacks(self) -> dict[str, Any]:
+        return {
+            "on_part_begin": self._begin, "on_header_field": self._hfield,
+            "on_header_value": self._hvalue, "on_header_end": self._hend,
+            "on_headers_finished": self._hdone, "on_part_data": self._data,
+        }
+
+    def _begin(self) -> None:
+        self._headers, self._field, self._value = {}, b"", b""
+        self._name, self._is_file = None, False
+
+    def _hfield(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _hvalue(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _hend(self) -> None:
+        self._headers[self._field.lower()] = self._value
+        self._field, self._value = b"", b""
+
+    def _hdone(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = options.get(b"name", b"").decode("utf-8", "replace")
+        if self._name == "file":
+            if self.saw_file:
+                raise bad_request("only one file part is accepted", "file")
+            self.saw_file = self._is_file = True
+            raw = options.get(b"filename")
+            self.filename = raw.decode("utf-8", "replace") if raw is not None else "upload.jsonl"
+        else:
+            self.fields.setdefault(self._name, b"")
+
+    def _data(self, data: bytes, start: int, end: int) -> None:
+        if self._is_file:
+            chunk = bytes(data[start:end])
+            self.pending.append(chunk)
+            self.pending_bytes += len(chunk)
+            self.file_bytes += len(chunk)
+        elif self._name is not None:
+            value = self.fields[self._name] + data[start:end]
+            if len(value) > MAX_FIELD_BYTES:
+                raise bad_request(f"form field {self._name!r} is too long", self._name)
+            self.fields[self._name] = value
+
+
+async def receive_upload(
+    body: AsyncIterator[bytes], content_type: str, store: FileStore, tenant: str, max_bytes: int,
+) -> StoredFile:
+    """Stream a ``multipart/form-data`` body (fields ``file``, ``purpose``) into the store."""
+    ctype, options = parse_options_header(content_type or "")
+    boundary = options.get(b"boundary")
+    if ctype != b"multipart/form-data" or not boundary:
+        raise bad_request("the body must be multipart/form-data with a 'file' and a 'purpose' field")
+    parts = _Parts()
+    parser = MultipartParser(boundary, parts.callbacks())
+    file_id = new_file_id()
+    uri = store.content_uri(tenant, file_id)
+    writer_cm = store.storage.open_write(uri)
+    fh = await anyio.to_thread.run_sync(writer_cm.__enter__)
+    try:
+        async for chunk in body:
+            parser.write(chunk)
+            if parts.file_bytes > max_bytes:
+                raise ApiError(413, f"file exceeds the maximum size of {max_bytes} bytes",
+                               "file_too_large", "file")
+            if parts.pending_bytes >= WRITE_CHUNK:
+                data, parts.pending, parts.pending_bytes = b"".join(parts.pending), [], 0
+                await anyio.to_thread.run_sync(fh.write, data)
+        parser.finalize()
+        if not parts.saw_file:
+            raise bad_request("missing required field 'file'", "file", "missing_required_parameter")
+        purpose = parts.fields.get("purpose", b"").decode("utf-8", "replace")
+        if purpose not in ACCEPTED_PURPOSES:
+            raise bad_request(f"purpose must be one of {list(ACCEPTED_PURPOSES)}, got {purpose[:40]!r}",
+                              "purpose", "invalid_purpose")
+        filename = check_filename(parts.filename or "")
+        if parts.file_bytes == 0:
+            raise bad_request("the file is empty", "file", "empty_file")
+        if parts.pending:
+            await anyio.to_thread.run_sync(fh.write, b"".join(parts.pending))
+            parts.pending = []
+    except BaseException as exc:
+        # Abort: the temp file / multipart upload is discarded, nothing is published.
+        await anyio.to_thread.run_sync(writer_cm.__exit__, type(exc), exc, exc.__traceback__)
+        if isinstance(exc, ApiError | anyio.get_cancelled_exc_class()):
+            raise
+        if type(exc).__module__.startswith("python_multipart"):
+            raise bad_request(f"malformed multipart body: {exc}") from None
+        raise
+    await anyio.to_thread.run_sync(writer_cm.__exit__, None, None, None)
+    stored = StoredFile(id=file_id, bytes=parts.file_bytes, created_at=now(), filename=filename,
+                        purpose=purpose, content_uri=uri)
+    await anyio.to_thread.run_sync(store.save_meta, tenant, stored)
+    return stored

@@ -1,0 +1,304 @@
+"""The OpenAI-compatible Batch API, driven by the official ``openai`` SDK against a running
+Airflow (api-server + scheduler + dag-processor + triggerer) and a real vLLM CPU server.
+
+One Airflow deployment and one vLLM serve the whole module; tests use separate files and
+batches, so their order does not matter.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from aibrix_operators.batch_api.auth import key_digest
+from aibrix_operators.local_airflow import AirflowDeployment, start_airflow
+from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl
+
+MAX_UPLOAD = 2 * 1024 * 1024
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class Api:
+    def __init__(self, airflow: AirflowDeployment, keys: dict[str, str], root: Path) -> None:
+        self.airflow = airflow
+        self.keys = keys
+        self.root = root
+        self.base_url = airflow.api_url + "/openai/v1"
+
+    def client(self, tenant: str = "alpha", key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key or self.keys[tenant], max_retries=0,
+                             timeout=60)
+
+
+@pytest.fixture(scope="module")
+def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
+    home = tmp_path_factory.mktemp("airflow-batch-api")
+    root = tmp_path_factory.mktemp("batch-api-root")
+    keys = {"alpha": "sk-alpha-" + secrets.token_hex(16), "beta": "sk-beta-" + secrets.token_hex(16)}
+    env = {
+        **airflow_session_env, "AIRFLOW_HOME": str(home),
+        # Only digests are configured; the raw keys exist in this test alone.
+        "AIRFLOW_VAR_AIBRIX_BATCH_API_KEYS": json.dumps({key_digest(k): t for t, k in keys.items()}),
+        "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": str(root),
+        "AIRFLOW__AIBRIX_BATCH__API_MODELS": f"{SERVED_NAME}={vllm_chat.base_url}",
+        "AIRFLOW__AIBRIX_BATCH__API_MAX_FILE_BYTES": str(MAX_UPLOAD),
+        "AIRFLOW__AIBRIX_BATCH__API_DAG_CONF": json.dumps({"requests_per_shard": 200}),
+    }
+    deployment = start_airflow(env, home)
+    try:
+        token = deployment.token()
+        deadline = time.monotonic() + 120
+        while True:  # the dag-processor parses the DAG folder shortly after start
+            try:
+                deployment.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield Api(deployment, keys, root)
+    finally:
+        deployment.stop()
+    # No raw key anywhere the deployment wrote: component logs, task logs, the DB, outputs.
+    for tree in (home, root):
+        for path in tree.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                for key in keys.values():
+                    assert key.encode() not in data, f"an API key leaked into {path}"
+
+
+def upload(client: openai.OpenAI, records: list[dict], name: str = "input.jsonl") -> str:
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="batch").id
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = TERMINAL,
+             timeout_s: float = 300) -> openai.types.Batch:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status} after {timeout_s}s"
+        time.sleep(1)
+
+
+def content(client: openai.OpenAI, file_id: str) -> list[dict]:
+    return read_jsonl(client.files.content(file_id).text)
+
+
+def test_sdk_flow_end_to_end(api):
+    client = api.client()
+    requests = chat_requests(30)
+    # One request the server rejects on its own (max_tokens beyond the context): an error line.
+    requests[7]["body"]["max_tokens"] = 100_000
+    file_id = upload(client, requests)
+    assert client.files.retrieve(file_id).bytes > 0
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"team": "search"})
+    assert batch.status == "validating" and batch.input_file_id == file_id
+    assert batch.metadata == {"team": "search"}
+    done = wait_for(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 30 and done.request_counts.completed == 29
+    assert done.request_counts.failed == 1
+    assert done.completed_at and done.in_progress_at and done.finalizing_at and done.expires_at
+    assert done.usage and done.usage.input_tokens > 0
+    output = content(client, done.output_file_id)
+    errors = content(client, done.error_file_id)
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests if r is not requests[7]]
+    assert [r["custom_id"] for r in errors] == ["req-0007"]
+    assert all(r["response"]["status_code"] == 200 for r in output)
+    # Output files are files of the tenant: listed, retrievable, purpose batch_output.
+    listed = {f.id: f for f in client.files.list()}
+    assert {file_id, done.output_file_id, done.error_file_id} <= set(listed)
+    assert listed[done.output_file_id].purpose == "batch_output"
+    # Cancelling a finished batch changes nothing.
+    assert client.batches.cancel(batch.id).status == "completed"
+    # Delete: gone afterwards.
+    assert client.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file_id)
+
+
+def test_list_pagination_newest_first(api):
+    client = api.client("beta")
+    file_id = upload(client, chat_requests(1))
+    ids = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id for _ in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in second.data][:1] == ids[:1]
+    # The SDK's auto-pagination walks every page.
+    assert [b.id for b in client.batches.list(limit=1)] [:3] == ids[::-1]
+    files = client.files.list(limit=1)
+    assert len(files.data) == 1 and files.data[0].id == file_id
+    for batch_id in ids:
+        wait_for(client, batch_id)
+
+
+def test_cancel_mid_run(api):
+    client = api.client()
+    requests = chat_requests(800, max_tokens=48)
+    batch = client.batches.create(input_file_id=upload(client, requests),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 240
+    while True:  # live counts from the drivers' checkpoints
+        current = client.batches.retrieve(batch.id)
+        if current.status == "in_progress" and current.request_counts.completed > 0:
+            break
+        assert current.status in ("validating", "in_progress"), current
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert current.request_counts.total == 800
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done = wait_for(client, batch.id, timeout_s=120)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.total == 800 and counts.completed + counts.failed == 800
+    assert 0 < counts.completed < 800
+    output = content(client, done.output_file_id)
+    errors = content(client, done.error_file_id)
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert {r["custom_id"] for r in output + errors} == {r["custom_id"] for r in requests}
+
+
+def test_expiry_with_a_short_window(api):
+    client = api.client()
+    requests = chat_requests(1500, max_tokens=48)
+    batch = client.batches.create(input_file_id=upload(client, requests),
+                                  endpoint="/v1/chat/completions", completion_window="20s")
+    assert batch.expires_at == batch.created_at + 20
+    done = wait_for(client, batch.id, timeout_s=180)
+    assert done.status == "expired" and done.expired_at
+    counts = done.request_counts
+    assert counts.completed + counts.failed == 1500 and counts.failed > 0
+    errors = content(client, done.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def test_validation_failure_has_line_numbers(api):
+    client = api.client()
+    good = json.dumps(chat_requests(1)[0])
+    data = (good + "\n" + "{not json\n" + good.replace("req-0000", "req-0001") + "\n").encode()
+    file_id = client.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait_for(client, batch.id)
+    assert done.status == "failed" and done.failed_at
+    assert done.errors and done.errors.data
+    assert (done.errors.data[0].code, done.errors.data[0].line) == ("invalid_json_line", 2)
+    assert done.output_file_id is None
+
+
+def test_request_rules(api):
+    client = api.client()
+    file_id = upload(client, chat_requests(1))
+    create = dict(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    for bad in ({"completion_window": "tomorrow"}, {"completion_window": "0h"},
+                {"endpoint": "/v1/images/generations"},
+                {"metadata": {f"k{i}": "v" for i in range(17)}},
+                {"metadata": {"k" * 65: "v"}}, {"metadata": {"k": "v" * 513}}):
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(**{**create, **bad})
+    other_model = upload(client, chat_requests(1, model="gpt-4o-mini"))
+    with pytest.raises(openai.BadRequestError, match=SERVED_NAME):
+        client.batches.create(**{**create, "input_file_id": other_model})
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(**{**create, "input_file_id": "file-" + "0" * 32})
+
+
+def test_idempotent_create(api):
+    client = api.client()
+    file_id = upload(client, chat_requests(2))
+    key = {"Idempotency-Key": "retry-" + secrets.token_hex(8)}
+    first = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_headers=key)
+    again = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_headers=key)
+    assert again.id == first.id and again.created_at == first.created_at
+    with pytest.raises(openai.ConflictError):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                              completion_window="1h", extra_headers=key)
+    # The same key from another tenant is that tenant's own, unrelated batch... of its own file.
+    runs = api.airflow.api("GET", "/api/v2/dags/batch_inference/dagRuns?limit=1000")["dag_runs"]
+    assert sum(r["dag_run_id"].endswith(first.id) for r in runs) == 1
+    assert wait_for(client, first.id).status == "completed"
+
+
+def test_tenant_isolation_and_auth(api):
+    alpha, beta = api.client("alpha"), api.client("beta")
+    file_id = upload(alpha, chat_requests(1))
+    batch = alpha.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        beta.files.retrieve(file_id)
+    with pytest.raises(openai.NotFoundError):
+        beta.files.content(file_id)
+    with pytest.raises(openai.NotFoundError):
+        beta.files.delete(file_id)
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.cancel(batch.id)
+    with pytest.raises(openai.NotFoundError):  # another tenant's file as input
+        beta.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert file_id not in {f.id for f in beta.files.list()}
+    assert batch.id not in {b.id for b in beta.batches.list()}
+    for key in ("sk-wrong", api.keys["alpha"] + "x"):
+        with pytest.raises(openai.AuthenticationError):
+            api.client(key=key).files.list()
+    req = urllib.request.Request(api.base_url + "/batches")
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(req, timeout=30)
+    assert missing.value.code == 401
+    assert json.loads(missing.value.read())["error"]["code"] == "missing_api_key"
+    # Ids and names that try to leave the tenant's prefix: 400 before any lookup.
+    for bad in ("..", "../beta/files/x", "file-%2e%2e", "%2Fetc%2Fpasswd", "file-" + "０" * 32):
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as exc:
+            alpha.files.retrieve(bad)
+        assert exc.value.status_code in (400, 404)
+    for name in ("../x.jsonl", "/etc/passwd", "a\u202eb.jsonl", "e\u0301.jsonl", "a\x00b"):
+        with pytest.raises(openai.BadRequestError):
+            alpha.files.create(file=(name, io.BytesIO(b"{}\n")), purpose="batch")
+    wait_for(alpha, batch.id)
+
+
+def test_oversize_upload_is_413(api):
+    client = api.client()
+    line = json.dumps(chat_requests(1)[0]) + "\n"
+    data = (line * (MAX_UPLOAD // len(line) + 10)).encode()
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+    assert exc.value.status_code == 413
+    # Nothing was published: no content object is left behind.
+    assert not [p for p in (api.root / "tenants" / "alpha" / "files").glob("*.jsonl")
+                if p.stat().st_size > MAX_UPLOAD]
+
+
+def test_schemathesis_against_the_openapi_schema(api, tmp_path):
+    """No 5xx, and every answer matches the app's own OpenAPI schema."""
+    cmd = [str(Path(sys.executable).with_name("schemathesis")), "run",
+           api.airflow.api_url + "/openai/openapi.json", "--url", api.airflow.api_url + "/openai",
+           "-H", f"Authorization: Bearer {api.keys['beta']}",
+           "--checks", "not_a_server_error,response_schema_conformance,status_code_conformance,"
+           "content_type_conformance", "--max-examples", "25", "--phases", "examples,fuzzing",
+           "--report", "junit", "--report-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert api.keys["beta"] not in output and api.keys["alpha"] not in output
