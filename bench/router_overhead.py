@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=30_000, help="requests per closed-loop run")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rate", type=float, default=1000.0, help="paced runs: requests/s in total")
-    p.add_argument("--seconds", type=float, default=8.0, help="length of each paced run")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of each paced run")
+    p.add_argument("--rounds", type=int, default=3, help="paced rounds (each: direct, then router)")
     p.add_argument("--no-pin", action="store_true", help="don't pin processes to CPUs (smoke tests)")
     args = p.parse_args(argv)
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
@@ -178,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         loop.run_until_complete(run([prefill_port, decode_port], min(n, 3000), c, None))
         direct = loop.run_until_complete(run([prefill_port, decode_port], n, c, None))
         routed = loop.run_until_complete(run([router_port], n, c, None))
-        direct_p = loop.run_until_complete(run([prefill_port, decode_port], paced_n, c, args.rate))
-        routed_p = loop.run_until_complete(run([router_port], paced_n, c, args.rate))
+        # Paced rounds alternate direct and routed, so a burst of other load on this shared
+        # machine hits one pair of rounds, not one side; the verdict takes the median round.
+        rounds = []
+        for _ in range(args.rounds):
+            d = loop.run_until_complete(run([prefill_port, decode_port], paced_n, c, args.rate))
+            r = loop.run_until_complete(run([router_port], paced_n, c, args.rate))
+            rounds.append((d, r))
         loop.close()
     finally:
         if router is not None:
@@ -190,21 +196,22 @@ def main(argv: list[str] | None = None) -> int:
         return (f"{name:<58} {r.rps:>9.0f} req/s  p50 {r.pct(0.5):7.2f} ms  p99 {r.pct(0.99):7.2f} ms"
                 f"  ({len(r.latencies)} requests)")  # fmt: skip
 
-    added50 = routed_p.pct(0.5) - direct_p.pct(0.5)
-    added99 = routed_p.pct(0.99) - direct_p.pct(0.99)
+    added = sorted(((r.pct(0.5) - d.pct(0.5), r.pct(0.99) - d.pct(0.99)) for d, r in rounds))
+    added50 = statistics.median(a for a, _ in added)
+    added99 = statistics.median(b for _, b in added)
     print(f"router overhead, {c} concurrent, pinned={'router cpu0, stubs+client cpu1' if pin else 'no'}")
     print(row(f"baseline: direct calls (prefill + decode stub), closed loop {c}", direct))
     print(row(f"router (prefill + decode), closed loop {c}", routed))
-    print(row(f"baseline: direct calls, paced {args.rate:.0f} req/s", direct_p))
-    print(row(f"router, paced {args.rate:.0f} req/s", routed_p))
+    for i, (d, r) in enumerate(rounds):
+        print(row(f"baseline: direct calls, paced {args.rate:.0f} req/s, round {i + 1}", d))
+        print(row(f"router, paced {args.rate:.0f} req/s, round {i + 1}", r))
     print(f"router throughput: {routed.rps:.0f} req/s on one core (target >= 1500)")
-    print(f"added latency at {args.rate:.0f} req/s over {c} connections: median {added50:.2f} ms "
-          f"(target <= 2), p99 {added99:.2f} ms (target <= 5)")  # fmt: skip
+    print(f"added latency at {args.rate:.0f} req/s over {c} connections (median of {len(rounds)} rounds): "
+          f"median {added50:.2f} ms (target <= 2), p99 {added99:.2f} ms (target <= 5)")  # fmt: skip
     print(
         f"(closed-loop medians are queueing: {c} / throughput = {c / routed.rps * 1e3:.1f} ms; "
         f"per-request mean through the router at saturation {1e3 / routed.rps:.2f} ms of router CPU)"
     )
-    print(f"direct-call stdev of paced latency: {statistics.pstdev(direct_p.latencies) * 1e3:.2f} ms")
     ok = routed.rps >= 1500 and added50 <= 2 and added99 <= 5
     print("verdict:", "targets met" if ok else "targets NOT met")
     return 0 if ok else 1

@@ -19,10 +19,10 @@ def test_router_overhead_main(capsys: pytest.CaptureFixture[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    rc = module.main(["--requests", "640", "--rate", "200", "--seconds", "1", "--no-pin"])
+    rc = module.main(["--requests", "640", "--rate", "200", "--seconds", "1", "--rounds", "1", "--no-pin"])
     out = capsys.readouterr().out
     assert rc in (0, 1)  # the verdict depends on the machine, not on the code path
     for needle in ("baseline: direct calls (prefill + decode stub), closed loop 64",
-                   "router (prefill + decode), closed loop 64", "router, paced 200 req/s",
+                   "router (prefill + decode), closed loop 64", "router, paced 200 req/s, round 1",
                    "router throughput:", "added latency at 200 req/s", "verdict:"):  # fmt: skip
         assert needle in out
