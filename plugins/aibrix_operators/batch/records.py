@@ -81,8 +81,14 @@ class Usage:
         usage = body.get("usage") if isinstance(body, dict) else None
         if not isinstance(usage, dict):
             return
-        self.input_tokens += _token_count(usage.get("prompt_tokens"))
-        self.output_tokens += _token_count(usage.get("completion_tokens"))
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        # Fast path (once per answer in the driver): plain non-negative ints, no call.
+        if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
+            self.input_tokens += prompt
+            self.output_tokens += completion
+        else:
+            self.input_tokens += _token_count(prompt)
+            self.output_tokens += _token_count(completion)
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
             self.cached_tokens += _token_count(details.get("cached_tokens"))

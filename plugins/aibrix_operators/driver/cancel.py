@@ -23,10 +23,7 @@ class CancelWatch:
         self.uri = uri
         self.poll_s = poll_s
         self.requested = asyncio.Event()
-
-    @property
-    def is_set(self) -> bool:
-        return self.requested.is_set()
+        self.cancelled = False  # a plain attribute: workers read it before every attempt
 
     async def run(self) -> None:
         if self.uri is None:
@@ -40,6 +37,7 @@ class CancelWatch:
             if found:
                 log.warning("cancel requested (%s): no new requests; unanswered ones end as "
                             "batch_cancelled", self.uri)
+                self.cancelled = True
                 self.requested.set()
                 return
             await asyncio.sleep(self.poll_s)

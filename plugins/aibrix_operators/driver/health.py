@@ -55,7 +55,8 @@ class EndpointHealth:
         self.canary: tuple[str, bytes] | None = None
         self.paused_s = 0.0
         self._streak = 0
-        self._last_answer = time.monotonic()
+        # A plain attribute (read before every attempt); _closed is what waiters wait on.
+        self.is_open = False
         self._closed = asyncio.Event()
         self._closed.set()
         self._opened = asyncio.Event()
@@ -63,15 +64,10 @@ class EndpointHealth:
         self._reason = ""
         self._check: asyncio.Future[str | None] | None = None
 
-    @property
-    def is_open(self) -> bool:
-        return not self._closed.is_set()
-
     def answered(self) -> None:
         """The endpoint handled a request (a success, or a rejection of the request itself)."""
         self.successes += 1
         self._streak = 0
-        self._last_answer = time.monotonic()
 
     def failed(self, reason: str) -> None:
         """An infrastructure-looking failure (transport, 408/429, 5xx, garbled answer)."""
@@ -85,6 +81,7 @@ class EndpointHealth:
         self.outages += 1
         self._opened_at = time.monotonic()
         self._reason = reason
+        self.is_open = True
         self._closed.clear()
         self._opened.set()
         log.warning("endpoint %s looks unavailable (%s): pausing all requests and probing it",
@@ -110,8 +107,13 @@ class EndpointHealth:
         """Probe while the breaker is open; raise :class:`EndpointOutage` past the budget."""
         while True:
             await self._opened.wait()
+            # The outage clock starts when the breaker opens and restarts whenever a request
+            # in flight still gets an answer.
+            since, answers = self._opened_at, self.successes
             while True:
-                silent_s = time.monotonic() - self._last_answer
+                if self.successes != answers:
+                    since, answers = time.monotonic(), self.successes
+                silent_s = time.monotonic() - since
                 if silent_s >= self.outage_budget_s:
                     raise EndpointOutage(
                         f"the inference endpoint {self.endpoint} answered no request for "
@@ -127,6 +129,7 @@ class EndpointHealth:
             self.paused_s += paused
             self._streak = 0
             self._opened.clear()
+            self.is_open = False
             self._closed.set()
             log.warning("endpoint %s answers its health check again after %.1fs: resuming",
                         self.endpoint, paused)

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -188,7 +187,7 @@ async def _send_all(
         finally:
             outcome.outages = health.outages
             outcome.paused_s = round(health.paused_s, 3)
-            outcome.cancelled = cancel.is_set
+            outcome.cancelled = cancel.cancelled
 
 
 def _first_cause(group: BaseExceptionGroup) -> BaseException:
@@ -225,11 +224,11 @@ async def _worker(
     counters: _Counters,
 ) -> None:
     # Workers share one iterator; asyncio switches only at awaits, so next() is safe.
-    while True:
-        await writer.wait_for_room()
-        record = next(requests, None)
-        if record is None:
-            return
+    result_log = writer.log
+    limit = writer.max_unflushed
+    for record in requests:
+        if result_log.buffered() >= limit:  # the store is behind: wait for it (rare)
+            await writer.wait_for_room()
         line = await sender.send(record)
         try:
             data = dumps(line)
@@ -241,7 +240,7 @@ async def _worker(
             counters.completed += 1
         else:
             counters.failed += 1
-        writer.log.append(data)
+        result_log.append(data)
 
 
 @dataclass
@@ -282,15 +281,18 @@ class _Sender:
         cfg, health = self.config, self.health
         charged = 0  # failed attempts charged to this request
         attempts = 0
-        # health.successes at the start of the previous and the current attempt
-        marks: deque[int] = deque(maxlen=2)
+        # health.successes at the start of the previous and of the current attempt
+        prev_mark = cur_mark = health.successes
         last: _Failure | None = None
         while True:
-            if self.cancel.is_set:
+            # The hot path is two attribute checks; the waits are only for the rare cases.
+            if self.cancel.cancelled:
                 return _cancelled(custom_id, last)
-            if not await self._wait_for_endpoint() or self._past_deadline():
-                return _cancelled(custom_id, last) if self.cancel.is_set else _expired(custom_id, last)
-            marks.append(health.successes)
+            if health.is_open and not await self._wait_for_endpoint():
+                return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
+            if cfg.deadline is not None and time.time() >= cfg.deadline:
+                return _expired(custom_id, last)
+            prev_mark, cur_mark = cur_mark, health.successes
             attempts += 1
             result = await self._attempt(custom_id, url, payload)
             if isinstance(result, dict):
@@ -305,7 +307,7 @@ class _Sender:
                 if charged >= cfg.max_attempts:
                     # Its own fault if the endpoint answered others meanwhile, or passes its
                     # health check now; otherwise the endpoint is down and nothing is charged.
-                    if health.successes > marks[0]:
+                    if health.successes > (prev_mark if charged > 1 else cur_mark):
                         return result.as_record(custom_id, attempts)
                     problem = await health.check()
                     if problem is None:
@@ -320,8 +322,6 @@ class _Sender:
 
     async def _wait_for_endpoint(self) -> bool:
         """Wait while the breaker is open; ``False`` when the deadline or a cancel came first."""
-        if not self.health.is_open:
-            return True
         waiter = asyncio.ensure_future(self.health.wait_closed(self._until_deadline()))
         cancelled = asyncio.ensure_future(self.cancel.requested.wait())
         try:
@@ -329,16 +329,13 @@ class _Sender:
         finally:
             cancelled.cancel()
             waiter.cancel()
-        return waiter.done() and not waiter.cancelled() and waiter.result() and not self.cancel.is_set
+        return waiter.done() and not waiter.cancelled() and waiter.result() and not self.cancel.cancelled
 
     async def _sleep_unless_cancelled(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self.cancel.requested.wait(), seconds)
         except TimeoutError:
             pass
-
-    def _past_deadline(self) -> bool:
-        return self.config.deadline is not None and time.time() >= self.config.deadline
 
     def _until_deadline(self) -> float | None:
         if self.config.deadline is None:
