@@ -294,7 +294,13 @@ class _Sender:
                 return _expired(custom_id, last)
             prev_mark, cur_mark = cur_mark, health.successes
             attempts += 1
-            result = await self._attempt(custom_id, url, payload)
+            # The request inline, not in a helper coroutine: this runs once per request.
+            try:
+                async with self.session.post(url, data=payload) as resp:
+                    raw = await resp.read()
+                    result = self._classify(custom_id, resp.status, raw, resp.headers)
+            except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
+                result = _transport_failure(custom_id, exc)
             if isinstance(result, dict):
                 health.answered()
                 if result["error"] is None:
@@ -342,19 +348,11 @@ class _Sender:
             return None
         return max(self.config.deadline - time.time(), 0.0)
 
-    async def _attempt(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | _Failure:
-        try:
-            async with self.session.post(url, data=payload) as resp:
-                status = resp.status
-                raw = await resp.read()
-                request_id = resp.headers.get("x-request-id")
-                retry_after = parse_retry_after(resp.headers.get("retry-after"))
-        except Exception as exc:  # noqa: BLE001 - classified just below
-            if not is_retryable_exception(exc):
-                # Not the network and not the server: a bug or an unsendable body.
-                return error_record(custom_id, exception_code(exc), _describe(exc))
-            return _Failure(exception_code(exc), _describe(exc))
-
+    def _classify(
+        self, custom_id: str, status: int, raw: bytes, headers: Any
+    ) -> dict[str, Any] | _Failure:
+        """One HTTP answer as a result line, or as a failure worth another attempt."""
+        request_id = headers.get("x-request-id")
         if 200 <= status < 300:
             try:
                 body = loads(raw)
@@ -372,9 +370,17 @@ class _Sender:
         body = _parse_error_body(raw)
         code, message = _error_of(status, body)
         if is_retryable_status(status):
-            return _Failure(code, message, status, request_id, body, retry_after,
+            return _Failure(code, message, status, request_id, body,
+                            parse_retry_after(headers.get("retry-after")),
                             backpressure=is_backpressure_status(status))
         return error_record(custom_id, code, message, status, request_id, body)
+
+
+def _transport_failure(custom_id: str, exc: BaseException) -> dict[str, Any] | _Failure:
+    if not is_retryable_exception(exc):
+        # Not the network and not the server: a bug or an unsendable body.
+        return error_record(custom_id, exception_code(exc), _describe(exc))
+    return _Failure(exception_code(exc), _describe(exc))
 
 
 def _expired(custom_id: str, last: _Failure | None) -> dict[str, Any]:
