@@ -140,7 +140,7 @@ def test_batch_runs_in_driver_pods_through_api_faults(
 def test_pod_killed_or_deleted_mid_shard_is_retried_and_resumes(
     k8s_env, cluster, s3_server, bucket, vllm_chat, tmp_path
 ):
-    requests = chat_requests(40, max_tokens=24)
+    requests = chat_requests(40, max_tokens=128)  # slow enough to be caught mid-shard
     put_input(s3_server, bucket, "kill", requests)
     api = client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
     s3 = s3_server.client()
@@ -174,7 +174,7 @@ def test_pod_killed_or_deleted_mid_shard_is_retried_and_resumes(
     watcher.start()
     try:
         proc = dags_test(
-            k8s_env, conf(bucket, "kill", vllm_chat.base_url, requests_per_shard=20, concurrency=2), tmp_path
+            k8s_env, conf(bucket, "kill", vllm_chat.base_url, requests_per_shard=20, concurrency=1), tmp_path
         )
     finally:
         stop.set()
