@@ -1,0 +1,160 @@
+"""The night's report: one self-contained HTML page (trend plot inlined as a PNG data URI) and
+the same content as Markdown. Pure Python + matplotlib (Agg), no Airflow."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from aibrix_operators.evaluation.history import Night
+from aibrix_operators.evaluation.scoring import ItemResult
+from aibrix_operators.evaluation.stats import Comparison, Interval
+
+
+@dataclass
+class ReportData:
+    suite: str
+    date: str
+    model: str
+    scorer: str
+    interval: Interval
+    comparisons: list[Comparison]
+    history: list[Night]
+    regressed_items: list[dict[str, Any]] = field(default_factory=list)
+    failed_requests: int = 0
+    max_drop: float = 0.0
+    min_score: float | None = None
+
+    @property
+    def regression(self) -> bool:
+        return any(c.regression for c in self.comparisons)
+
+
+def regressed_items(tonight: list[ItemResult], previous: list[dict[str, Any]], limit: int = 20
+                    ) -> list[dict[str, Any]]:
+    """Items whose score fell since the previous night, largest fall first."""
+    before = {r["id"]: r for r in previous}
+    fallen = []
+    for r in tonight:
+        old = before.get(r.id)
+        if old is not None and old["score"] > r.score:
+            fallen.append({"id": r.id, "reference": r.reference, "before": old.get("answer"),
+                           "now": r.answer, "drop": old["score"] - r.score, "error": r.error})
+    fallen.sort(key=lambda x: (-x["drop"], x["id"]))
+    return fallen[:limit]
+
+
+def trend_png(history: list[Night], max_points: int = 400) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure  # the pyplot-free API: no global state, thread-safe
+
+    nights = history[-max_points:]
+    fig = Figure(figsize=(7, 2.6), dpi=100)
+    ax = fig.add_subplot()
+    xs = list(range(len(nights)))
+    ax.fill_between(xs, [n.low for n in nights], [n.high for n in nights], alpha=0.25, color="tab:blue",
+                    label="95% CI")
+    ax.plot(xs, [n.score for n in nights], marker="o" if len(nights) < 40 else None, color="tab:blue",
+            label="score")
+    bad = [i for i, n in enumerate(nights) if n.regression]
+    ax.scatter(bad, [nights[i].score for i in bad], color="tab:red", zorder=3, label="regression")
+    step = max(1, len(nights) // 8)
+    ax.set_xticks(xs[::step], [n.date for n in nights][::step], rotation=20, fontsize=7)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("score")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def _delta(c: Comparison) -> str:
+    return f"{c.delta * 100:+.1f} pt"
+
+
+def render_markdown(data: ReportData) -> str:
+    iv = data.interval
+    verdict = "REGRESSION" if data.regression else "ok"
+    lines = [f"# Eval `{data.suite}` — {data.date}", "",
+             f"Model `{data.model}`, scorer `{data.scorer}`, {iv.n} items, "
+             f"{data.failed_requests} without an answer. Verdict: **{verdict}**", "",
+             "| score | 95% CI | vs | reference | delta | regression | why |",
+             "|---|---|---|---|---|---|---|"]
+    if not data.comparisons:
+        lines.append(f"| {_pct(iv.mean)} | [{_pct(iv.low)}, {_pct(iv.high)}] | — | — | — | no "
+                     "| first night |")
+    for c in data.comparisons:
+        lines.append(f"| {_pct(iv.mean)} | [{_pct(iv.low)}, {_pct(iv.high)}] | {c.against} "
+                     f"({c.reference_date or '—'}) | {_pct(c.reference_score)} | {_delta(c)} | "
+                     f"{'**yes**' if c.regression else 'no'} | {c.reason} |")
+    lines += ["", f"Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also "
+              "outside tonight's confidence interval.", ""]
+    if data.regressed_items:
+        lines += ["## Top regressed items", "", "| id | reference | before | now |", "|---|---|---|---|"]
+        for it in data.regressed_items:
+            lines.append(f"| {it['id']} | {_md(it['reference'])} | {_md(it['before'])} | "
+                         f"{_md(it['now'] if it['now'] is not None else it['error'])} |")
+    lines += ["", "## Trend", "", "![trend](trend.png)", ""]
+    return "\n".join(lines)
+
+
+def _md(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")[:120]
+
+
+def _h(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def render_html(data: ReportData, png: bytes) -> str:
+    iv = data.interval
+    verdict = "REGRESSION" if data.regression else "OK"
+    rows = []
+    for c in data.comparisons or [None]:
+        if c is None:
+            rows.append(f"<tr><td>{_pct(iv.mean)}</td><td>[{_pct(iv.low)}, {_pct(iv.high)}]</td>"
+                        "<td>—</td><td>—</td><td>—</td><td>no</td><td>first night</td></tr>")
+            continue
+        cls = "bad" if c.regression else ("down" if c.delta < 0 else "up")
+        rows.append(
+            f"<tr class='{cls}'><td>{_pct(iv.mean)}</td><td>[{_pct(iv.low)}, {_pct(iv.high)}]</td>"
+            f"<td>{_h(c.against)} ({_h(c.reference_date or '—')})</td><td>{_pct(c.reference_score)}</td>"
+            f"<td>{_delta(c)}</td><td>{'yes' if c.regression else 'no'}</td><td>{_h(c.reason)}</td></tr>")
+    items = "".join(
+        f"<tr><td>{_h(it['id'])}</td><td>{_h(it['reference'])}</td><td>{_h(it['before'])}</td>"
+        f"<td>{_h(it['now'] if it['now'] is not None else it['error'])}</td></tr>"
+        for it in data.regressed_items)
+    items_html = (f"<h2>Top regressed items</h2><table><tr><th>id</th><th>reference</th><th>before</th>"
+                  f"<th>now</th></tr>{items}</table>") if items else ""
+    img = base64.b64encode(png).decode()
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Eval {_h(data.suite)} {_h(data.date)}</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:2em;max-width:60em;color:#222}}
+table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left}}
+th{{background:#f3f3f3}}tr.bad td{{background:#fde2e2}}tr.up td{{background:#e6f6e6}}
+.verdict{{font-weight:bold;padding:.2em .6em;border-radius:.3em}}
+.v-OK{{background:#d8f0d8}}.v-REGRESSION{{background:#f7c6c6}}
+</style></head><body>
+<h1>Eval <code>{_h(data.suite)}</code> — {_h(data.date)}</h1>
+<p>Model <code>{_h(data.model)}</code>, scorer <code>{_h(data.scorer)}</code>, {iv.n} items,
+{data.failed_requests} without an answer. Verdict: <span class="verdict v-{verdict}">{verdict}</span></p>
+<table><tr><th>score</th><th>{iv.confidence:.0%} CI</th><th>vs</th><th>reference</th><th>delta</th>
+<th>regression</th><th>why</th></tr>{''.join(rows)}</table>
+<p>Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also outside tonight's
+confidence interval.</p>
+{items_html}
+<h2>Trend</h2><img alt="score trend" src="data:image/png;base64,{img}">
+</body></html>
+"""
