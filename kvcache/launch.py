@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from aibrix_operators.serving.process import ServerProcess, tail
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,45 +90,25 @@ class LocalServer:
             self.env["VLLM_SERVER_DEV_MODE"] = "1"
         self.env.update(env or {})
         self.prefix_caching = prefix_caching
-        self.proc: subprocess.Popen | None = None
+        self.process: ServerProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process is not None else None
 
     def start(self, timeout_s: float = 240.0) -> LocalServer:
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited ({self.proc.returncode}); log: {self.log_path}\n{self.tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM not healthy in {timeout_s}s; log: {self.log_path}\n{self.tail()}")
+        # The launcher shared with aibrix_operators.serving: own process group, health wait,
+        # and a stop that takes the engine child even when the API server already exited.
+        self.process = ServerProcess(self.cmd, self.env, self.log_path, name="vLLM", append_log=False)
+        self.process.start().wait_healthy(self.url + "/health", timeout_s)
+        return self
 
     def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        # The server spawns an engine process; signal the whole session we started.
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.process is not None:
+            self.process.stop(grace_s=30)
 
     def __enter__(self) -> LocalServer:
         return self.start()

@@ -65,7 +65,11 @@ def tail(path: Path, lines: int = 30) -> str:
 class ServerProcess:
     """``cmd`` in a new session, output appended to ``log_path``; use ``stop`` (or ``with``)."""
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], log_path: Path, name: str = "server"):
+    def __init__(
+        self, cmd: Sequence[str], env: Mapping[str, str], log_path: Path, name: str = "server",
+        append_log: bool = True,
+    ) -> None:
+        self.append_log = append_log
         self.cmd = list(cmd)
         self.env = dict(env)
         self.log_path = Path(log_path)
@@ -75,7 +79,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The child gets its own copy of the descriptor; ours is closed at once.
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab" if self.append_log else "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
         return self
