@@ -1,0 +1,148 @@
+"""Batch API core without Airflow or a server: ids, keys, request rules, status mapping, uploads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from aibrix_operators.batch_api.auth import authenticate, key_digest, parse_keyring
+from aibrix_operators.batch_api.batches import check_metadata, check_window, route_for
+from aibrix_operators.batch_api.errors import ApiError
+from aibrix_operators.batch_api.files import FileStore, StoredFile
+from aibrix_operators.batch_api.ids import (
+    check_batch_id,
+    check_file_id,
+    check_filename,
+    new_batch_id,
+    new_file_id,
+)
+from aibrix_operators.batch_api.settings import ApiSettings, parse_models
+from aibrix_operators.batch_api.status import RunSnapshot, TaskState, batch_object, batch_status
+from aibrix_operators.batch_api.upload import receive_upload
+from aibrix_operators.storage import LocalStorage
+
+
+def test_ids_are_strict_and_sort_by_age():
+    a, b = new_file_id(), new_file_id()
+    assert check_file_id(a) == a and a <= b
+    assert new_batch_id("t", "k") == new_batch_id("t", "k") != new_batch_id("u", "k")
+    for bad in ("..", "file-../x", "/etc/passwd", "file-" + "０" * 32, "file-" + "0" * 31 + "\x00", ""):
+        with pytest.raises(ApiError) as exc:
+            check_file_id(bad)
+        assert exc.value.status == 400
+    with pytest.raises(ApiError):
+        check_batch_id("batch_../../x")
+
+
+@pytest.mark.parametrize("name", ["..", "a/b", "a\\b", "../x", "a\x00b", "a\tb", "a\u202eb",
+                                  "a\u200bb", "e\u0301", "x" * 256, ""])
+def test_odd_filenames_are_refused(name):
+    with pytest.raises(ApiError) as exc:
+        check_filename(name)
+    assert exc.value.status == 400
+
+
+def test_keys_are_digests_and_bad_keys_are_401():
+    ring = parse_keyring(json.dumps({key_digest("sk-a"): "alpha", "sha256:" + key_digest("sk-b"): "beta"}))
+    assert authenticate("Bearer sk-a", ring) == "alpha" and authenticate("bearer sk-b", ring) == "beta"
+    for header in (None, "", "Bearer", "Basic sk-a", "Bearer sk-c"):
+        with pytest.raises(ApiError) as exc:
+            authenticate(header, ring)
+        assert exc.value.status == 401 and "sk-" not in exc.value.message
+    with pytest.raises(ValueError, match="digests"):
+        parse_keyring(json.dumps({"sk-raw-key": "alpha"}))
+    with pytest.raises(ValueError):
+        parse_keyring(json.dumps({key_digest("x"): "Bad_Tenant"}))
+
+
+def test_request_rules():
+    assert check_window("24h") == 86400 and check_window("90m") == 5400
+    for bad in ("tomorrow", "0h", "24", "-1h", "1000h", ""):
+        with pytest.raises(ApiError):
+            check_window(bad)
+    assert check_metadata({"k" * 64: "v" * 512}) == {"k" * 64: "v" * 512}
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, []):
+        with pytest.raises(ApiError):
+            check_metadata(bad)
+    settings = ApiSettings("/r", models=parse_models("a=http://127.0.0.1:1, b=conn:vllm"))
+    assert route_for(settings, "b")[1].dag_params() == {"inference_conn_id": "vllm", "endpoint": ""}
+    with pytest.raises(ApiError, match="a, b"):
+        route_for(settings, "gpt-4o")
+
+
+def _snap(run_state="running", **tasks) -> RunSnapshot:
+    conf = {"completion_window": "1h", "batch_endpoint": "/v1/chat/completions",
+            "openai_batch": {"input_file_id": "file-x", "created_at": 100}}
+    return RunSnapshot("batch_" + "0" * 32, conf, run_state,
+                       {k: [TaskState(s, 1, 2) for s in v] for k, v in tasks.items()})
+
+
+def test_status_mapping():
+    assert batch_status(_snap("queued")) == "validating"
+    assert batch_status(_snap(validate=["running"])) == "validating"
+    assert batch_status(_snap(validate=["success"], dispatch=["running", "success"])) == "in_progress"
+    assert batch_status(_snap(validate=["success"], dispatch=["success"], merge=["running"])) == "finalizing"
+    cancelling = _snap(validate=["success"], dispatch=["running"])
+    cancelling.cancel_at = 5
+    assert batch_status(cancelling) == "cancelling"
+    done = _snap("success")
+    done.batch_json = {"status": "cancelled", "cancelled_at": 9, "output_file_id": "/o",
+                       "error_file_id": "/e", "request_counts": {"total": 3, "completed": 1, "failed": 2}}
+    obj = batch_object(done)
+    assert obj["status"] == "cancelled" and obj["cancelled_at"] == 9
+    assert obj["output_file_id"].endswith("-output") and obj["error_file_id"].endswith("-errors")
+    assert obj["expires_at"] == 100 + 3600 and obj["input_file_id"] == "file-x"
+    failed = _snap("failed")
+    failed.batch_json = {"status": "failed", "errors": {"data": [
+        {"code": "invalid_json_line", "line": 2, "message": "m", "param": None, "task": "x"}]}}
+    obj = batch_object(failed)
+    assert obj["errors"]["data"] == [{"code": "invalid_json_line", "line": 2, "message": "m", "param": None}]
+    assert batch_object(_snap("failed"))["errors"]["data"][0]["code"] == "batch_run_failed"
+    live = _snap(validate=["success"], dispatch=["running"])
+    live.live_counts = (10, 4, 1)
+    assert batch_object(live)["request_counts"] == {"total": 10, "completed": 3, "failed": 1}
+
+
+def _multipart(data: bytes, name: str = "in.jsonl", purpose: str = "batch") -> tuple[bytes, str]:
+    req = httpx.Request("POST", "http://x/", files={"file": (name, data)}, data={"purpose": purpose})
+    return req.read(), req.headers["content-type"]
+
+
+async def _chunks(body: bytes, size: int = 7000):
+    for i in range(0, len(body), size):
+        yield body[i:i + size]
+
+
+def test_upload_streams_and_oversize_publishes_nothing(tmp_path):
+    store = FileStore(LocalStorage(), str(tmp_path))
+    payload = b'{"custom_id": "a"}\n' * 5000
+    body, ctype = _multipart(payload)
+    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", len(payload)))
+    assert stored.bytes == len(payload)
+    assert b"".join(store.open_content("alpha", stored.id)) == payload
+    with pytest.raises(ApiError) as exc:
+        asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", len(payload) - 1))
+    assert exc.value.status == 413
+    files = sorted(p.name for p in (tmp_path / "tenants" / "alpha" / "files").iterdir())
+    assert files == [stored.id + ".json", stored.id + ".jsonl"]  # no second file, no temp left
+    for bad_body, bad_type in (_multipart(payload, purpose="fine-tune"), (body, "application/json")):
+        with pytest.raises(ApiError) as exc:
+            asyncio.run(receive_upload(_chunks(bad_body), bad_type, store, "alpha", 10**7))
+        assert exc.value.status == 400
+
+
+def test_file_store_keeps_tenants_apart(tmp_path):
+    store = FileStore(LocalStorage(), str(tmp_path))
+    body, ctype = _multipart(b"{}\n")
+    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 100))
+    with pytest.raises(ApiError) as exc:
+        store.get("beta", stored.id)
+    assert exc.value.status == 404
+    assert store.list("beta", None, 10, "desc", None) == ([], False)
+    # A meta object pointing outside the tenant's prefix is treated as missing.
+    evil = StoredFile(new_file_id(), 1, 1, "x", "batch", str(tmp_path / "tenants" / "beta" / "x"))
+    with pytest.raises(ValueError):
+        store.save_meta("alpha", evil)
