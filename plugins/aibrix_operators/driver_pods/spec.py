@@ -116,6 +116,7 @@ class DriverPodRequest:
     outage_budget_s: float = 900.0
     namespace: str | None = None  # None: the settings' default
     service_account: str | None = None
+    cancel_uri: str | None = None  # the run's cancel marker (driver/cancel.py), watched by the pod
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ def build_driver_pod(
     ]
     if req.model:
         args += ["--model", req.model]
+    if req.cancel_uri:
+        args += ["--cancel-uri", req.cancel_uri]
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # progress lines as they happen
     if settings.s3_secret:
         env += [_secret_env(name, settings.s3_secret, name, optional) for name, optional in S3_SECRET_KEYS]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from aibrix_operators.batch.job import ValidatedBatch, run_shard_of_batch, work_prefix
+from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, run_shard_of_batch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
@@ -225,5 +225,5 @@ class DispatchShardOperator(BaseOperator):
             attempt=int(context["ti"].try_number), model=batch.model, concurrency=int(self.concurrency),
             max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
             endpoint_wait_s=float(self.endpoint_wait_s), outage_budget_s=float(self.outage_budget_s),
-            namespace=namespace, service_account=service_account,
+            namespace=namespace, service_account=service_account, cancel_uri=cancel_marker_uri(work),
         )
