@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.prefixes import PrefixSignatures
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
@@ -170,8 +171,12 @@ def validate_stream(
     endpoint: str | None = None,
     limits: ValidationLimits | None = None,
     reopen: Callable[[], BinaryIO] | None = None,
+    signatures: PrefixSignatures | None = None,
 ) -> ValidationReport:
     """Validate a batch file read from ``stream``.
+
+    ``signatures``, if given, collects every valid request's prefix hashes and offset
+    (``batch/prefixes.py``) for prefix-aware sharding.
 
     ``endpoint`` is the batch's endpoint; if omitted, the first line's ``url``
     sets it. ``reopen`` returns a fresh stream over the same file; it is used
@@ -204,6 +209,7 @@ def validate_stream(
     limit = max_line + 2  # room for "\r\n" after a line of exactly max_line bytes
     add_hash = id_hashes.append
     add_line = id_lines.append
+    sign = signatures.add if signatures is not None else None
 
     while True:
         raw = readline(limit)
@@ -273,6 +279,8 @@ def validate_stream(
         if custom_id is not None:
             add_hash(hash(custom_id))
             add_line(line_no)
+            if sign is not None:
+                sign(raw, total_bytes - size)
 
     report.total_bytes = total_bytes
     if report.total_requests == 0 and report.error_count == 0:

@@ -1,0 +1,169 @@
+"""Prefix signatures: which requests of a batch share a leading prompt, and the order that groups them.
+
+Validation calls ``PrefixSignatures.add`` once per request line (in its hot loop, so the
+work is a few C calls): from the line's raw bytes, starting at the ``"messages"`` key (chat),
+``"prompt"`` (completions) or ``"input"`` (embeddings), it hashes the first 256, 1024, 4096
+and 16384 bytes, chained, so each byte is hashed once. Requests whose JSON text agrees on the
+first L bytes of that array share the rendered prompt (chat template + system + earlier turns
++ the start of the last turn) to about the same depth, which is what vLLM's prefix cache
+reuses; the several lengths let partial sharing count (one few-shot template, different
+questions). No tokenizer: byte prefixes find the same groups without one, and tokenizing
+~1 KB costs ~50 µs of Python per request — more than validating it (README, *Prefix-aware
+batching*).
+
+The hashes are Python's ``hash()`` (SipHash, 64-bit, seeded per process). They never leave
+the validating process: ``grouping_order`` turns them into an order of line numbers, which is
+what the split step reads. A collision merges two groups, which changes only the order in
+which requests are sent, never a result.
+
+Memory: 8 bytes per level and 8 for the line's offset, 40 bytes per request (40 MB for 1M
+lines), plus numpy temporaries of a few arrays of that length at the end.
+"""
+
+from __future__ import annotations
+
+import io
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from aibrix_operators.storage import Storage
+
+# Byte lengths of the rendered prefix that are hashed: a prefix shared to any of these depths
+# counts. Powers of four keep the levels few (each costs 8 bytes per request and one sort).
+LEVELS: tuple[int, ...] = (256, 1024, 4096, 16384)
+
+
+class PrefixSignatures:
+    """Per-request prefix hashes and line offsets, collected while validation streams the file.
+
+    ``add`` runs once per request line inside validation's hot loop, so it is written for
+    speed (~1 µs on a 1 KB line): one flat array of ``len(LEVELS)`` hashes per request and
+    the levels unrolled.
+    """
+
+    levels = LEVELS
+
+    def __init__(self) -> None:
+        self._hashes = array("q")
+        self.offsets = array("q")
+        # Where the last request line ends (the file may go on with trailing blank lines).
+        self.end = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def add(self, raw: bytes, offset: int) -> None:
+        """Record the request line ``raw`` that starts at byte ``offset`` of the file."""
+        self.offsets.append(offset)
+        self.end = offset + len(raw)
+        s = raw.find(b'"messages"')
+        if s < 0:
+            s = raw.find(b'"prompt"')
+            if s < 0:
+                s = raw.find(b'"input"')
+        n = len(raw) - s if s >= 0 else 0
+        # Chained (each level's hash covers every byte up to its length); 0 = "not this long".
+        if n < 256:
+            self._hashes.extend(_NONE)
+            return
+        h1 = hash(raw[s:s + 256]) or 1
+        if n < 1024:
+            self._hashes.extend((h1, 0, 0, 0))
+            return
+        h2 = hash((h1, raw[s + 256:s + 1024])) or 1
+        if n < 4096:
+            self._hashes.extend((h1, h2, 0, 0))
+            return
+        h3 = hash((h2, raw[s + 1024:s + 4096])) or 1
+        h4 = hash((h3, raw[s + 4096:s + 16384])) or 1 if n >= 16384 else 0
+        self._hashes.extend((h1, h2, h3, h4))
+
+    def columns(self) -> list[np.ndarray]:
+        flat = np.frombuffer(self._hashes, dtype=np.int64) if len(self._hashes) else np.zeros(0, np.int64)
+        table = flat.reshape(-1, len(self.levels))
+        return [table[:, k] for k in range(len(self.levels))]
+
+
+_NONE = (0, 0, 0, 0)
+assert len(LEVELS) == 4 and LEVELS == (256, 1024, 4096, 16384), "PrefixSignatures.add unrolls LEVELS"
+
+
+@dataclass(frozen=True)
+class PrefixGrouping:
+    """The send order that puts requests with a shared prefix back to back, and what it found."""
+
+    order: np.ndarray          # 0-based request indices (line number - 1), in send order
+    offsets: np.ndarray        # byte offset of every request line, plus the end of the last
+    shared_requests: int       # requests that share a prefix of >= LEVELS[0] bytes with another
+    groups: int                # distinct shared prefixes at the deepest level each request shares
+
+    @property
+    def reorders(self) -> bool:
+        return bool(len(self.order)) and not bool(np.all(self.order[1:] > self.order[:-1]))
+
+
+def grouping_order(signatures: PrefixSignatures) -> PrefixGrouping:
+    """Sort requests by (group of level 1, group of level 2, ..., line), groups ranked by first line.
+
+    A request's group at a level is the first line holding the same prefix hash, or its own line
+    when no other request shares it there: so every shared prefix is contiguous, sub-prefixes
+    are contiguous inside it, and the first request of each group comes first. Ties keep input
+    order. This is a sort of 8-byte keys (``np.lexsort``), never of the file's lines.
+    """
+    n = len(signatures)
+    idx = np.arange(n, dtype=np.int64)
+    keys: list[np.ndarray] = []
+    shared_any = np.zeros(n, dtype=bool)
+    deepest = np.full(n, -1, dtype=np.int64)  # the group each request shares at its deepest level
+    for column in signatures.columns():
+        if n == 0 or not column.any():
+            break  # no request is this long (nor longer: the levels only grow)
+        _, first, inverse, counts = np.unique(
+            column, return_index=True, return_inverse=True, return_counts=True
+        )
+        shared = (counts[inverse] > 1) & (column != 0)
+        group = np.where(shared, first[inverse], idx)
+        keys.append(group)
+        shared_any |= shared
+        deepest = np.where(shared, group, deepest)
+        del first, inverse, counts, shared
+    offsets = np.append(np.frombuffer(signatures.offsets, dtype=np.int64) if n else
+                        np.zeros(0, np.int64), np.int64(signatures.end))
+    if not keys:
+        return PrefixGrouping(idx, offsets, 0, 0)
+    # np.lexsort sorts by the last key first.
+    order = np.lexsort((idx, *reversed(keys)))
+    groups = len(np.unique(deepest[deepest >= 0]))
+    return PrefixGrouping(order.astype(np.int64), offsets, int(shared_any.sum()), groups)
+
+
+def worth_grouping(grouping: PrefixGrouping) -> bool:
+    """``auto``'s rule: reorder only if it changes the order and there are two shared prefixes or more.
+
+    One prefix common to the whole file (a single system prompt) stays in any server's cache
+    in input order; reordering would only cost the split and merge their extra work.
+    """
+    return grouping.groups >= 2 and grouping.reorders
+
+
+# --------------------------------------------------------------------------- the order file
+# Written by validate beside the run's work files and read by split: two .npy arrays, the order
+# (int64 request indices) and the offsets (int64, one more than requests). 16 bytes per request.
+
+
+def write_order(storage: Storage, uri: str, grouping: PrefixGrouping) -> None:
+    buf = io.BytesIO()
+    np.save(buf, grouping.order, allow_pickle=False)
+    np.save(buf, grouping.offsets, allow_pickle=False)
+    storage.write_bytes(uri, buf.getvalue())
+
+
+def read_order(storage: Storage, uri: str) -> tuple[np.ndarray, np.ndarray]:
+    buf = io.BytesIO(storage.read_bytes(uri))
+    order = np.load(buf, allow_pickle=False)
+    offsets = np.load(buf, allow_pickle=False)
+    if len(offsets) != len(order) + 1:
+        raise ValueError(f"{uri}: {len(order)} requests but {len(offsets)} offsets")
+    return order, offsets
