@@ -118,9 +118,11 @@ def _vm_hwm_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def run_validate_split(input_path: str, out_dir: str, shard_requests: int) -> dict:
-    """validate_batch then split_batch, as the DAG's tasks call them; timings and counts."""
-    from aibrix_operators.batch.job import split_batch, validate_batch, work_prefix
+def run_validate_split(input_path: str, out_dir: str, shard_requests: int, grouping: str = "auto") -> dict:
+    """validate_batch then split_batch, as the DAG's tasks call them; timings and counts.
+
+    ``grouping`` is the DAG's ``prefix_grouping`` (auto: prefix signatures are computed)."""
+    from aibrix_operators.batch.job import prefix_order_uri, split_batch, validate_batch, work_prefix
     from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, DEFAULT_SHARD_BYTES
     from aibrix_operators.batch.validation import ValidationLimits
     from aibrix_operators.storage import LocalStorage
@@ -129,11 +131,12 @@ def run_validate_split(input_path: str, out_dir: str, shard_requests: int) -> di
     storage = LocalStorage()
     limits = ValidationLimits(max_requests=100_000_000, max_file_bytes=1 << 40)
     t0, c0 = time.perf_counter(), time.process_time()
-    report, batch = validate_batch(storage, input_path, out_dir, ENDPOINT, limits)
+    work = work_prefix(out_dir, "manual__bench")
+    report, batch = validate_batch(storage, input_path, out_dir, ENDPOINT, limits,
+                                   prefix_grouping=grouping, prefix_order_uri=prefix_order_uri(work))
     t1, c1 = time.perf_counter(), time.process_time()
     if batch is None:
         raise SystemExit(f"generated file failed validation:\n{report.summary()}")
-    work = work_prefix(out_dir, "manual__bench")
     shards = split_batch(storage, batch, work, shard_requests, DEFAULT_SHARD_BYTES, AIRFLOW_MAX_MAP_LENGTH)
     t2, c2 = time.perf_counter(), time.process_time()
     return {
@@ -145,15 +148,18 @@ def run_validate_split(input_path: str, out_dir: str, shard_requests: int) -> di
         "requests": batch.total_requests,
         "bytes": batch.total_bytes,
         "shards": len(shards),
+        "grouped": batch.prefix_order_uri is not None,
         "rss_after_import_kib": rss_before,
         "peak_rss_kib": _vm_hwm_kib(),
     }
 
 
-def run_in_child(input_path: Path, out_dir: Path, shard_requests: int, profile: str | None = None) -> dict:
+def run_in_child(input_path: Path, out_dir: Path, shard_requests: int, profile: str | None = None,
+                 grouping: str = "auto") -> dict:
     """Run the measured work in a fresh interpreter; its peak RSS is the figure reported."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--_child", str(input_path), str(out_dir), str(shard_requests)]
+    cmd = [sys.executable, __file__, "--_child", str(input_path), str(out_dir), str(shard_requests),
+           grouping]
     if profile:
         cmd = [sys.executable, "-m", "cProfile", "-o", profile, *cmd[1:]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "--_child":
-        print(json.dumps(run_validate_split(argv[1], argv[2], int(argv[3]))))
+        print(json.dumps(run_validate_split(argv[1], argv[2], int(argv[3]), argv[4])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lines", type=int, default=50_000, help="lines in the measured file (default 50k)")
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     wc = time_wc(big)
     py = time_python_count(big)
+    # Before/after in one run: prefix_grouping=off (no signatures) is the code before issue 12.
+    res_off = run_in_child(big, args.workdir / "split-out", args.shard_requests, grouping="off")
     res = run_in_child(big, args.workdir / "split-out", args.shard_requests, args.profile)
     res_small = run_in_child(small, args.workdir / "split-out", args.shard_requests)
     both_s = res["validate_s"] + res["split_s"]
@@ -249,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         ("validate_batch", res["validate_s"], res["validate_cpu_s"]),
         ("split_batch", res["split_s"], res["split_cpu_s"]),
         ("validate + split", both_s, res["validate_cpu_s"] + res["split_cpu_s"]),
+        ("  same, prefix_grouping=off", res_off["validate_s"] + res_off["split_s"],
+         res_off["validate_cpu_s"] + res_off["split_cpu_s"]),
     ]
     ref = (wc or py)[0]
     mb = _mb(size)
@@ -273,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{'validate + split':<28}{n:>11,}{_mb(r['bytes']):>10.1f}"
             f"{r['peak_rss_kib'] / 1024:>10.1f}{r['rss_after_import_kib'] / 1024:>12.1f}"
         )
+    print(f"{'  same, prefix_grouping=off':<28}{args.lines:>11,}{_mb(res_off['bytes']):>10.1f}"
+          f"{res_off['peak_rss_kib'] / 1024:>10.1f}{res_off['rss_after_import_kib'] / 1024:>12.1f}")
+    print(f"grouping applied (auto): {res['grouped']}")
     peak = max(res["peak_rss_kib"], res_small["peak_rss_kib"]) / 1024
     growth = (res["peak_rss_kib"] - res_small["peak_rss_kib"]) / 1024
     print(

@@ -68,6 +68,12 @@ PARAMS = {
     "bytes_per_shard": Param(
         64 * 1024 * 1024, type="integer", minimum=1024, description="Bytes per shard at most."
     ),
+    "prefix_grouping": Param(
+        "auto", type="string", enum=["auto", "off"],
+        description="auto: requests sharing a prompt prefix (few-shot template, system prompt) go to "
+        "the same shard, back to back, so the server's prefix cache reuses it; skipped when the file "
+        "shows no shared prefixes. Output stays in input order. off: shards keep input order.",
+    ),
     "concurrency": Param(64, type="integer", minimum=1, maximum=4096,
                          description="Requests in flight per shard."),
     "max_attempts": Param(5, type="integer", minimum=1, maximum=20,
@@ -137,6 +143,7 @@ with DAG(
         aws_conn_id="{{ params.aws_conn_id }}",
         endpoint="{{ params.endpoint }}",
         inference_conn_id="{{ params.inference_conn_id }}",
+        prefix_grouping="{{ params.prefix_grouping }}",
     )
     split = SplitBatchOperator(
         task_id="split",

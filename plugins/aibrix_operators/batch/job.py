@@ -25,7 +25,15 @@ from aibrix_operators.batch.failures import (
     publish_failure,
     storage_error_code,
 )
+from aibrix_operators.batch.grouped_split import split_grouped
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
+from aibrix_operators.batch.prefixes import (
+    PrefixSignatures,
+    grouping_order,
+    read_order,
+    worth_grouping,
+    write_order,
+)
 from aibrix_operators.batch.records import (
     CANCELLED_CODE,
     EXPIRED_CODE,
@@ -44,6 +52,11 @@ from aibrix_operators.storage import Storage, StorageError, join_uri
 def work_prefix(output_uri: str, run_id: str) -> str:
     """Per-run scratch space beside the outputs; run ids are made path- and key-safe."""
     return join_uri(output_uri, "_work", re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
+
+
+def prefix_order_uri(work: str) -> str:
+    """Where validate writes the grouped send order for split (prefix-aware sharding)."""
+    return join_uri(work, "prefix-order.npy")
 
 
 def cancel_marker_uri(work: str) -> str:
@@ -76,13 +89,19 @@ class ValidatedBatch:
     metadata: dict[str, str]
     max_line_bytes: int
     last_request_line: int
+    # Prefix-aware sharding (batch/prefixes.py): where validate wrote the grouped send order,
+    # or None when the batch is sent in input order; and what validation found.
+    prefix_order_uri: str | None = None
+    prefix_groups: int = 0
+    prefix_shared_requests: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ValidatedBatch:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        # Fields with defaults may be absent from an XCom written before they existed.
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def validate_batch(
@@ -96,6 +115,8 @@ def validate_batch(
     batch_id: str | None = None,
     expected_model: str | None = None,
     output_storage: Storage | None = None,
+    prefix_grouping: str = "off",
+    prefix_order_uri: str | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -105,7 +126,14 @@ def validate_batch(
     code (``invalid_completion_window``, ``input_not_found``,
     ``input_access_denied``, ``input_unreadable``). ``report.record`` says where
     the failed ``batch.json`` went, or why it could not be written.
+
+    ``prefix_grouping="auto"`` with a ``prefix_order_uri`` also collects prefix signatures
+    and, when the file has shared prefixes worth grouping, writes the grouped send order
+    there for ``split_batch`` (``batch/prefixes.py``); ``"off"`` keeps input order.
     """
+    if prefix_grouping not in ("auto", "off"):
+        raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
+    signatures = PrefixSignatures() if prefix_grouping == "auto" and prefix_order_uri else None
     limits = limits or ValidationLimits()
     created_at = int(time.time())
     batch_id = batch_id or new_batch_id()
@@ -119,7 +147,8 @@ def validate_batch(
         try:
             with storage.open_read(input_uri) as stream:
                 report = validate_stream(
-                    stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri)
+                    stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri),
+                    signatures=signatures,
                 )
         except Exception as exc:
             if not _is_storage_failure(exc):
@@ -143,12 +172,22 @@ def validate_batch(
         report.record = publish_failure(output_storage or storage, output_uri, batch)
         return report, None
     assert report.endpoint is not None and report.model is not None and window_s is not None
+    order_uri, groups, shared = None, 0, 0
+    if signatures is not None and len(signatures) == report.total_requests:
+        grouping = grouping_order(signatures)
+        del signatures
+        groups, shared = grouping.groups, grouping.shared_requests
+        if worth_grouping(grouping):
+            assert prefix_order_uri is not None
+            write_order(output_storage or storage, prefix_order_uri, grouping)
+            order_uri = prefix_order_uri
     return report, ValidatedBatch(
         batch_id=batch_id, input_uri=input_uri, output_uri=output_uri, endpoint=report.endpoint,
         model=report.model, total_requests=report.total_requests, total_bytes=report.total_bytes,
         created_at=created_at, expires_at=created_at + window_s, completion_window=completion_window,
         metadata=metadata or {}, max_line_bytes=limits.max_line_bytes,
         last_request_line=report.last_request_line,
+        prefix_order_uri=order_uri, prefix_groups=groups, prefix_shared_requests=shared,
     )
 
 
@@ -175,6 +214,9 @@ def split_batch(
         endpoint=batch.endpoint, model=batch.model, total_requests=batch.total_requests,
         total_bytes=batch.total_bytes, last_request_line=batch.last_request_line,
     )
+    if batch.prefix_order_uri:
+        order, offsets = read_order(storage, batch.prefix_order_uri)
+        return split_grouped(storage, batch.input_uri, work, report, plan, order, offsets)
     return split_file(storage, batch.input_uri, work, report, plan)
 
 

@@ -6,13 +6,14 @@ answered more than once when two attempts of a shard overlap (a zombie worker,
 an orphaned pod, a resend after a kill): the first answer in segment order —
 the earliest attempt's — is kept and the repeats are counted. A missing or
 unknown id fails the merge loudly instead of publishing a wrong result.
-Output is in input order; memory is bounded by one shard's results.
+Output is in input order, also when split reordered requests by prefix;
+memory is bounded by one shard's results.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,44 +79,68 @@ def merge_results(
     segments_of: Callable[[ShardSpec], list[str]],
     output_prefix: str,
 ) -> MergeSummary:
-    """Write output and error files under ``output_prefix`` from every shard's results."""
+    """Write output and error files under ``output_prefix`` from every shard's results.
+
+    Shards of contiguous lines are written one after the other. When split grouped requests by
+    prefix (shards with ``lines_uri``), each shard's results are sorted by input line number
+    into a local run file and the runs are merged (``batch/ordered_merge.py``): output is in
+    input order either way, and memory stays bounded by one shard's results.
+    """
     summary = MergeSummary(join_uri(output_prefix, OUTPUT_FILE), join_uri(output_prefix, ERRORS_FILE))
+    ordered = sorted(shards, key=lambda s: s.index)
     with storage.open_write(summary.output_uri) as out, storage.open_write(summary.errors_uri) as errs:
-        for shard in sorted(shards, key=lambda s: s.index):
-            results, repeats = _shard_results(storage, segments_of(shard))
-            if repeats:
-                log.warning("%s: %d repeated answer(s) from overlapping attempts discarded; the "
-                            "first answer per custom_id is kept", shard.name, repeats)
-                summary.duplicates_discarded += repeats
-            missing: list[str] = []
-            with storage.open_read(shard.uri) as src:
-                for raw in src:
-                    if not raw.strip():
-                        continue
-                    cid = loads(raw)["custom_id"]
-                    found = results.pop(cid, None)
-                    if found is None:
-                        missing.append(cid)
-                        continue
-                    line, record = found
-                    summary.total += 1
-                    if record.get("error") is None:
-                        summary.completed += 1
-                        summary.usage.add_response_body(record["response"]["body"])
-                        out.write(line + b"\n")
-                    else:
-                        summary.failed += 1
-                        code = str(record["error"].get("code"))
-                        summary.error_codes[code] = summary.error_codes.get(code, 0) + 1
-                        errs.write(line + b"\n")
-            if missing:
-                raise ExactlyOnceViolation(
-                    f"{shard.name}: {len(missing)} request(s) have no result, e.g. {missing[:5]}; "
-                    "re-run the shard's dispatch task (it resumes where it stopped)"
-                )
-            if results:
-                raise ExactlyOnceViolation(
-                    f"{shard.name}: {len(results)} result(s) for custom_ids that are not in the "
-                    f"shard, e.g. {list(results)[:5]}"
-                )
+        if any(s.lines_uri for s in ordered):
+            from aibrix_operators.batch.ordered_merge import merge_in_input_order
+
+            merge_in_input_order(storage, ordered, segments_of, summary, out.write, errs.write)
+            return summary
+        for shard in ordered:
+            for _, line, failed in shard_answers(storage, shard, segments_of(shard), summary):
+                (errs if failed else out).write(line + b"\n")
     return summary
+
+
+def shard_answers(
+    storage: Storage, shard: ShardSpec, segments: list[str], summary: MergeSummary
+) -> Iterator[tuple[int, bytes, bool]]:
+    """``(position in the shard, result line, is an error)`` for each of the shard's requests in
+    shard order, counted into ``summary``; raises ``ExactlyOnceViolation`` at the end if a request
+    has no result or a result answers no request of the shard."""
+    results, repeats = _shard_results(storage, segments)
+    if repeats:
+        log.warning("%s: %d repeated answer(s) from overlapping attempts discarded; the "
+                    "first answer per custom_id is kept", shard.name, repeats)
+        summary.duplicates_discarded += repeats
+    missing: list[str] = []
+    position = -1
+    with storage.open_read(shard.uri) as src:
+        for raw in src:
+            if not raw.strip():
+                continue
+            position += 1
+            cid = loads(raw)["custom_id"]
+            found = results.pop(cid, None)
+            if found is None:
+                missing.append(cid)
+                continue
+            line, record = found
+            summary.total += 1
+            if record.get("error") is None:
+                summary.completed += 1
+                summary.usage.add_response_body(record["response"]["body"])
+                yield position, line, False
+            else:
+                summary.failed += 1
+                code = str(record["error"].get("code"))
+                summary.error_codes[code] = summary.error_codes.get(code, 0) + 1
+                yield position, line, True
+    if missing:
+        raise ExactlyOnceViolation(
+            f"{shard.name}: {len(missing)} request(s) have no result, e.g. {missing[:5]}; "
+            "re-run the shard's dispatch task (it resumes where it stopped)"
+        )
+    if results:
+        raise ExactlyOnceViolation(
+            f"{shard.name}: {len(results)} result(s) for custom_ids that are not in the "
+            f"shard, e.g. {list(results)[:5]}"
+        )

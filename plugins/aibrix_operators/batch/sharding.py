@@ -21,20 +21,28 @@ AIRFLOW_MAX_MAP_LENGTH = 1024
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One shard: where its input lies and which lines of the batch file it holds."""
+    """One shard: where its input lies and which lines of the batch file it holds.
+
+    A shard is either the contiguous lines ``first_line .. first_line + num_requests - 1``
+    (``lines_uri`` None), or, when split grouped requests by prefix, the lines listed in
+    ``lines_uri`` (int64 input line numbers, one per shard line, in shard order; its first
+    is ``first_line``): merge reads it to write results back in input order.
+    """
 
     index: int
     uri: str
     first_line: int
     num_requests: int
     num_bytes: int
+    lines_uri: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardSpec:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        # Fields with defaults may be absent from an XCom written before they existed.
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @property
     def name(self) -> str:

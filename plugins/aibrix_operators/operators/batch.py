@@ -20,6 +20,7 @@ from aibrix_operators.batch.failures import (
 from aibrix_operators.batch.job import (
     ValidatedBatch,
     finalize_batch,
+    prefix_order_uri,
     record_batch_failure,
     split_batch,
     validate_batch,
@@ -59,7 +60,7 @@ class ValidateBatchOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
-        "endpoint", "inference_conn_id",
+        "endpoint", "inference_conn_id", "prefix_grouping",
     )
 
     def __init__(
@@ -77,10 +78,13 @@ class ValidateBatchOperator(BaseOperator):
         aws_conn_id: str | None = None,
         endpoint: str | None = None,
         inference_conn_id: str | None = None,
+        prefix_grouping: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.expected_model = expected_model
+        # "auto": group requests with shared prefixes into shards (batch/prefixes.py); "off".
+        self.prefix_grouping = prefix_grouping
         self.input_uri = input_uri
         self.output_uri = output_uri
         self.batch_endpoint = batch_endpoint
@@ -128,6 +132,8 @@ class ValidateBatchOperator(BaseOperator):
             storage, self.input_uri, self.output_uri, _endpoint_or_auto(self.batch_endpoint), limits,
             str(self.completion_window), metadata, batch_id=batch_id,
             expected_model=self.expected_model or None, output_storage=out_storage,
+            prefix_grouping=str(self.prefix_grouping or "auto"),
+            prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
         )
         if batch is None:
             record: FailureRecord = report.record
@@ -136,6 +142,9 @@ class ValidateBatchOperator(BaseOperator):
             log.error("%s", record.describe())
             raise AirflowFailException(f"{report.summary()}\n{record.describe()}")
         log.info("%s", report.summary())
+        log.info("prefix grouping %s: %d request(s) share a prefix, %d shared prefix group(s)%s",
+                 self.prefix_grouping, batch.prefix_shared_requests, batch.prefix_groups,
+                 "; shards will hold whole groups" if batch.prefix_order_uri else "; input order kept")
         return batch.as_dict()
 
     def _fail(
