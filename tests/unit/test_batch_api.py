@@ -101,6 +101,9 @@ def test_status_mapping():
     obj = batch_object(failed)
     assert obj["errors"]["data"] == [{"code": "invalid_json_line", "line": 2, "message": "m", "param": None}]
     assert batch_object(_snap("failed"))["errors"]["data"][0]["code"] == "batch_run_failed"
+    failed.conf["input_uri"] = "/srv/root/tenants/alpha/files/file-x.jsonl"
+    failed.batch_json["errors"]["data"][0]["message"] = "cannot read " + failed.conf["input_uri"]
+    assert batch_object(failed)["errors"]["data"][0]["message"] == "cannot read file-x"
     live = _snap(validate=["success"], dispatch=["running"])
     live.live_counts = (10, 4, 1)
     assert batch_object(live)["request_counts"] == {"total": 10, "completed": 3, "failed": 1}

@@ -103,7 +103,9 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
             "code": "batch_run_failed", "message": "the batch's run failed before it published a result",
             "param": None, "line": None}]}
     if errors:
-        errors = {"object": "list", "data": [_error_item(e) for e in errors.get("data", [])]}
+        hide = {str(snap.conf.get("input_uri") or "\0"): api.get("input_file_id", "the input file"),
+                str(snap.conf.get("output_uri") or "\0"): "the batch's output"}
+        errors = {"object": "list", "data": [_error_item(e, hide) for e in errors.get("data", [])]}
     ended = (snap.tasks.get("record_failure") or [TaskState(None)])[0].end
     return {
         "id": snap.batch_id,
@@ -132,7 +134,12 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
     }
 
 
-def _error_item(item: dict[str, Any]) -> dict[str, Any]:
-    # Only OpenAI's BatchError fields: a step's error may carry more (task names, URIs).
-    return {"code": item.get("code"), "message": item.get("message"), "param": item.get("param"),
+def _error_item(item: dict[str, Any], hide: dict[str, str]) -> dict[str, Any]:
+    """Only OpenAI's BatchError fields; storage locations in messages become the API's names,
+    so a client never learns the deployment's layout."""
+    message = item.get("message")
+    if isinstance(message, str):
+        for uri, name in hide.items():
+            message = message.replace(uri, name)
+    return {"code": item.get("code"), "message": message, "param": item.get("param"),
             "line": item.get("line")}
