@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -26,7 +27,9 @@ from aibrix_operators.storage import LocalStorage
 
 
 def test_ids_are_strict_and_sort_by_age():
-    a, b = new_file_id(), new_file_id()
+    a = new_file_id()
+    time.sleep(0.002)  # ids order by millisecond
+    b = new_file_id()
     assert check_file_id(a) == a and a <= b
     assert new_batch_id("t", "k") == new_batch_id("t", "k") != new_batch_id("u", "k")
     for bad in ("..", "file-../x", "/etc/passwd", "file-" + "０" * 32, "file-" + "0" * 31 + "\x00", ""):
