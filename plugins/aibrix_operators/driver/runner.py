@@ -33,6 +33,8 @@ from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointHealth
+from aibrix_operators.driver.metrics import COLLECTOR as METRICS
+from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve_from_env
 from aibrix_operators.driver.preflight import probe_endpoint
 from aibrix_operators.driver.progress import ProgressReporter
 from aibrix_operators.driver.results import ResultLog, fingerprint_shard
@@ -82,6 +84,10 @@ class _Counters:
         self.failed = 0
         self.retries = 0
         self.usage = Usage()
+        # Read by driver/metrics.py at scrape time (nothing per request but the histogram).
+        self.started = 0
+        self.latency = LatencyBuckets()
+        self.health: EndpointHealth | None = None
 
 
 async def run_shard(
@@ -115,6 +121,8 @@ async def run_shard(
         log.info("%s: resuming, %d of %d requests already answered", name, len(done), total)
 
     counters = _Counters()
+    serve_from_env()
+    METRICS.track(counters)
     progress = ProgressReporter(name, total, config.progress_interval_s, already_done=len(done))
     writer = CheckpointWriter(
         result_log, retry_timeout_s=config.checkpoint_retry_s,
@@ -132,6 +140,8 @@ async def run_shard(
         outcome.usage = counters.usage.as_dict()
         outcome.checkpoint_write_retries = writer.write_retries
         progress.report(counters.completed, counters.failed, final=True)
+        METRICS.finish(counters)
+        await asyncio.to_thread(push_from_env)
     return outcome
 
 
@@ -160,6 +170,7 @@ async def _send_all(
             failure_threshold=config.breaker_failures, outage_budget_s=config.outage_budget_s,
             probe_interval_s=config.probe_interval_s, endpoint=config.base_url,
         )
+        counters.health = health
         sender = _Sender(session, config, counters, health, cancel)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -226,10 +237,14 @@ async def _worker(
     # Workers share one iterator; asyncio switches only at awaits, so next() is safe.
     result_log = writer.log
     limit = writer.max_unflushed
+    clock, observe = time.monotonic, counters.latency.observe
     for record in requests:
         if result_log.buffered() >= limit:  # the store is behind: wait for it (rare)
             await writer.wait_for_room()
+        counters.started += 1
+        sent = clock()
         line = await sender.send(record)
+        observe(clock() - sent)
         try:
             data = dumps(line)
         except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
