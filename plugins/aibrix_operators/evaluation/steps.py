@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.evaluation import metrics as eval_metrics
 from aibrix_operators.evaluation.history import (
     Night,
     load_baseline,
@@ -104,7 +105,10 @@ def evaluate(suite: Suite, plan: NightPlan, storage: Storage, run_id: str = "") 
         "evaluated_at": int(time.time()),
     }
     storage.write_bytes(join_uri(plan.prefix, "summary.json"), json.dumps(summary, indent=2).encode())
-    save_history(storage, plan.root, suite.name, history, tonight)
+    updated = save_history(storage, plan.root, suite.name, history, tonight)
+    registry = eval_metrics.night_registry(suite.name, plan.model, tonight, updated, time.time())
+    storage.write_bytes(join_uri(plan.prefix, "metrics.prom"), eval_metrics.exposition(registry))
+    summary["metrics_pushed"] = eval_metrics.push_night(registry, suite.name, plan.model)
     if baseline is None:
         save_baseline(storage, plan.root, suite.name, tonight)
     return summary
