@@ -180,7 +180,7 @@ def test_aibrix_roles_and_one_autoscaler_per_role() -> None:
     assert targets == ["decode", "prefill"]
     for a in autoscalers:
         ref = a["spec"]["scaleTargetRef"]
-        assert (ref["apiVersion"], ref["kind"], ref["name"]) == (storm["apiVersion"], "StormService", "pd")
+        assert (ref["apiVersion"], ref["kind"], ref["name"]) == (storm["apiVersion"], "StormService", "llm")
         assert 1 <= a["spec"]["minReplicas"] <= a["spec"]["maxReplicas"]
 
 
@@ -311,3 +311,37 @@ def test_entrypoint_turns_a_pod_into_its_rank(tmp_path: Path, hostname: str, wan
     out = subprocess.run(["/bin/sh", str(tmp_path / "entrypoint.sh"), "--model=/models/model"], env=env,
                          check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
     assert out == ["-m", "vllm.entrypoints.openai.api_server", "--model=/models/model", *want]
+
+
+def _allowed(overlay: str, role: str, group: str, resource: str, verb: str, name: str | None = None) -> bool:
+    [r] = [d for d in render(overlay) if d["kind"] == "Role" and d["metadata"]["name"] == role]
+    return any(group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+               and (name is None or "resourceNames" not in rule or name in rule["resourceNames"])
+               for rule in r["rules"])  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rbac_is_least_privilege_in_one_namespace(overlay: str) -> None:
+    docs = render(overlay)
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    for role in (d for d in docs if d["kind"] == "Role"):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], role["metadata"]["name"]
+            assert not {"secrets", "roles", "rolebindings"} & set(rule["resources"])
+    # What the dispatch path and the scaling actuator call.
+    for verb in ("create", "get", "watch", "delete"):
+        assert _allowed(overlay, "aibrix-batch-dispatch", "", "pods", verb)
+    assert _allowed(overlay, "aibrix-batch-dispatch", "", "pods/log", "get")
+    assert _allowed(overlay, "aibrix-batch-scaling", "apps", "statefulsets/scale", "patch")
+    assert _allowed(overlay, "aibrix-batch-scaling", "apps", "deployments/scale", "patch")
+    assert _allowed(
+        overlay, "aibrix-batch-scaling", "orchestration.aibrix.ai", "stormservices", "patch", "llm"
+    )
+    assert not _allowed(overlay, "aibrix-batch-scaling", "", "pods", "create")
+    # The driver pods get no API token at all.
+    [driver] = [
+        d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "aibrix-batch-driver"
+    ]
+    assert driver["automountServiceAccountToken"] is False
+    for b in (d for d in docs if d["kind"] == "RoleBinding"):
+        assert b["roleRef"]["kind"] == "Role"
