@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from aibrix_operators.router.app import CHECKER, build_app
+from aibrix_operators.router.app import CHECKER, POOL, build_app
 from aibrix_operators.router.backends import DECODE, PREFILL, Backend
 from aibrix_operators.router.load import parse_load
 from tests.router.stub_backend import StubBackend
@@ -265,3 +265,41 @@ def test_pick_spreads_equal_loads_round_robin() -> None:
     picks = Counter(pool.pick(DECODE).url for _ in range(30))  # type: ignore[union-attr]
     assert sorted(picks.values()) == [10, 10, 10]
     assert pool.pick(PREFILL) is None
+
+
+async def test_dns_discovery_finds_instances_behind_a_name() -> None:
+    # The cluster shape: instances are a headless Service's A records (here: localhost).
+    p, d = await StubBackend("p").start(), await StubBackend("d").start()
+    port_p, port_d = p.server.port, d.server.port  # type: ignore[union-attr]
+    app = build_app(
+        [], health_interval_s=3600, dns={PREFILL: f"localhost:{port_p}", DECODE: f"localhost:{port_d}"}
+    )
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(str(server.make_url("/v1/completions")), json=COMPLETION) as r:
+                assert r.status == 200 and (await r.json())["from"] == "d"
+        pool = app[POOL]
+        assert f"http://127.0.0.1:{port_d}" in {b.url for b in pool.healthy(DECODE)}
+        assert len(p.received) == 1
+    finally:
+        await server.close()
+        await p.close()
+        await d.close()
+
+
+def test_rediscovery_keeps_state_and_drops_only_idle_instances() -> None:
+    from aibrix_operators.router.backends import BackendPool
+
+    pool = BackendPool([Backend("http://static:1", DECODE, healthy=True)])
+    pool.replace_discovered(DECODE, ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    first, second = (b for b in pool.backends if b.discovered)
+    first.healthy, first.running, second.inflight = True, 3, 2
+    pool.replace_discovered(DECODE, ["http://10.0.0.1:8000"])  # .2 left DNS with requests in flight
+    urls = {b.url: b for b in pool.backends}
+    assert urls["http://10.0.0.1:8000"] is first and first.running == 3  # state kept
+    assert "http://10.0.0.2:8000" in urls and "http://static:1" in urls
+    second.inflight = 0
+    pool.replace_discovered(DECODE, ["http://10.0.0.1:8000"])
+    assert {b.url for b in pool.backends} == {"http://static:1", "http://10.0.0.1:8000"}
