@@ -26,6 +26,8 @@ class StubBackend:
     stream_chunks: list[str] = field(default_factory=lambda: ["a", "b", "c"])
     stream_pause_s: float = 0.0
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # Stream chunks written so far (all requests).
+    chunks_sent: int = 0
     server: TestServer | None = None
 
     @property
@@ -81,6 +83,7 @@ class StubBackend:
             for chunk in self.stream_chunks:
                 data = {"choices": [{"index": 0, "text": chunk}], "from": self.name}
                 await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+                self.chunks_sent += 1
                 await asyncio.sleep(self.stream_pause_s)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

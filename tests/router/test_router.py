@@ -303,3 +303,20 @@ def test_rediscovery_keeps_state_and_drops_only_idle_instances() -> None:
     second.inflight = 0
     pool.replace_discovered(DECODE, ["http://10.0.0.1:8000"])
     assert {b.url for b in pool.backends} == {"http://static:1", "http://10.0.0.1:8000"}
+
+
+async def test_a_client_leaving_mid_stream_ends_the_upstream_stream(make_router) -> None:
+    d = StubBackend("d", stream_chunks=[str(i) for i in range(50)], stream_pause_s=0.05)
+    router = await make_router([StubBackend("p")], [d])
+    async with aiohttp.ClientSession() as session:
+        async with session.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+            await r.content.readline()  # one chunk, then hang up
+    for _ in range(100):
+        if 'reason="client_gone"' in await router.metrics():
+            break
+        await asyncio.sleep(0.05)
+    assert 'router_upstream_errors_total{reason="client_gone",role="decode"} 1.0' in await router.metrics()
+    sent = d.chunks_sent
+    await asyncio.sleep(0.3)
+    assert d.chunks_sent == sent < 50  # the decode stream was closed, not drained
+    assert (await router.post(COMPLETION))[0] == 200  # the router is fine afterwards

@@ -13,6 +13,7 @@ Failure rules (ARCHITECTURE.md section 5: a request fails only for a reason of i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -157,9 +158,16 @@ class Proxy:
                 return web.Response(status=upstream.status, body=payload, headers=headers)
             out = web.StreamResponse(status=upstream.status, headers=headers)
             await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except (ConnectionResetError, asyncio.CancelledError):
+                # The client went away mid-stream (aiohttp cancels the handler, or the write
+                # fails): leaving closes the upstream call (finally below), so the decode
+                # instance stops generating for nobody.
+                self.metrics.upstream_errors.labels(DECODE, "client_gone").inc()
+                raise
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
             # The answer broke off half way: the client sees a failed request (5xx or a cut
