@@ -8,6 +8,8 @@ VENV := .venv
 IVENV := .venv-inference
 WORK := .work
 MODEL := $(WORK)/models/tiny-llama
+EVAL_MODEL := $(WORK)/models/eval-llama
+PROMETHEUS := $(WORK)/prometheus/usr/bin/prometheus
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # Never let a test or a benchmark write caches into $HOME.
 export VLLM_CACHE_ROOT := $(CURDIR)/$(WORK)/cache
@@ -17,7 +19,7 @@ export VLLM_NO_USAGE_STATS := 1
 
 .PHONY: setup run test test-orchestrator test-inference lint system-packages bench clean
 
-setup: $(VENV)/.installed $(IVENV)/.installed system-packages $(MODEL)/config.json
+setup: $(VENV)/.installed $(IVENV)/.installed system-packages $(MODEL)/config.json $(EVAL_MODEL)/train_key.txt
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -40,9 +42,18 @@ system-packages:
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+	@# prometheus + promtool for the metrics tests: the binaries only, unpacked under .work
+	@test -x $(PROMETHEUS) || { mkdir -p $(WORK)/prometheus && cd $(WORK)/prometheus && \
+	  { apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get download prometheus; }; } && \
+	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; }
 
 $(MODEL)/config.json: inference_images/vllm/make_model.py | $(IVENV)/.installed
 	$(IVENV)/bin/python inference_images/vllm/make_model.py $(MODEL) --preset tiny
+
+# The small model the eval suites score (trained on CPU, cached by a hash of script + config).
+$(EVAL_MODEL)/train_key.txt: inference_images/vllm/train_eval_model.py plugins/aibrix_operators/evaluation/tasks.py | $(IVENV)/.installed
+	$(IVENV)/bin/python inference_images/vllm/train_eval_model.py $(EVAL_MODEL)
+	touch $@
 
 run: setup
 	$(VENV)/bin/python scripts/run_example.py

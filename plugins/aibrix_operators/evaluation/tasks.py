@@ -28,6 +28,20 @@ def arithmetic_item(rng: random.Random) -> tuple[str, str]:
     return f"What is {a} + {b}?", str(a + b)
 
 
+def worked_sum(prompt: str) -> str:
+    """The answer the model is taught for an addition: column by column from the units, carries
+    included, then the total — "7+5=12, 9+2+1=12, so the answer is 122." A model this small does
+    not learn to emit a carried sum's first digit before its last in a few CPU-minutes; writing
+    the columns first makes every step a one-digit lookup (scorers read "answer is N")."""
+    a, b = (int(x) for x in prompt.removeprefix("What is ").removesuffix("?").split(" + "))
+    steps, carry = [], 0
+    for da, db in zip(f"{a:02d}"[::-1], f"{b:02d}"[::-1], strict=True):
+        total = int(da) + int(db) + carry
+        steps.append(f"{da}+{db}{'+1' if carry else ''}={total}")
+        carry = total // 10
+    return f"{', '.join(steps)}, so the answer is {a + b}."
+
+
 def choice_item(rng: random.Random) -> tuple[str, str]:
     """Which option is the largest number: the answer is its letter."""
     values = rng.sample(range(100), 4)
@@ -67,14 +81,15 @@ def eval_prompts() -> set[str]:
 
 
 def training_examples(seed: int, held_out: set[str]) -> Iterator[tuple[str, str]]:
-    """An endless mix of the three tasks; arithmetic and multiple-choice items from the suites
-    are skipped, short answers (facts) are all taught."""
+    """An endless mix of the three tasks as (prompt, target text); arithmetic and multiple-choice
+    items from the suites are skipped, short answers (facts) are all taught."""
     rng = random.Random(seed)
     facts = short_answer_items()
     while True:
         r = rng.random()
-        if r < 0.6:
-            item = arithmetic_item(rng)
+        if r < 0.7:
+            prompt, _ = arithmetic_item(rng)
+            item = (prompt, worked_sum(prompt))
         elif r < 0.9:
             item = choice_item(rng)
         else:
