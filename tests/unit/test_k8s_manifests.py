@@ -345,3 +345,21 @@ def test_rbac_is_least_privilege_in_one_namespace(overlay: str) -> None:
     assert driver["automountServiceAccountToken"] is False
     for b in (d for d in docs if d["kind"] == "RoleBinding"):
         assert b["roleRef"]["kind"] == "Role"
+
+
+def test_probe_of_a_headless_rank_checks_its_process(tmp_path: Path) -> None:
+    import os
+
+    [cm] = [
+        d for d in render("plain") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-entrypoint"
+    ]
+    script = cm["data"]["probe.sh"]
+    assert "kill -0 1" in script  # in the container, PID 1 is vLLM (the entrypoint execs it)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    # Here PID 1 is not ours to signal; the probe's rank logic is checked on a live and a dead PID.
+    for pid, want in ((os.getpid(), 0), (dead.pid, 1)):
+        (tmp_path / "probe.sh").write_text(script.replace("kill -0 1", f"kill -0 {pid}"))
+        env = {"HOSTNAME": "decode-g0-1", "PATH": "/usr/bin:/bin"}
+        done = subprocess.run(["/bin/sh", str(tmp_path / "probe.sh")], env=env, capture_output=True)
+        assert (done.returncode != 0) == bool(want)
