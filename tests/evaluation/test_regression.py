@@ -57,6 +57,13 @@ def test_previous_night_skips_other_models_and_later_nights():
     assert previous_night(nights, "2026-11-01", "m") is None
 
 
+def addition_dataset(tmp_path: Path, n: int = 100) -> Path:
+    dataset = tmp_path / "ds.jsonl"
+    items = [{"id": f"i{i}", "prompt": f"What is {i} + 1?", "reference": str(i + 1)} for i in range(n)]
+    dataset.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return dataset
+
+
 def _suite(dataset: Path) -> Suite:
     return Suite(name="arith", dataset=str(dataset), scorer="numeric", models=("m",),
                  prompt_template="Q: {prompt}", thresholds=Thresholds(max_drop=0.05))
@@ -86,10 +93,7 @@ def _night(tmp_path: Path, suite: Suite, date: str, right: int, total: int = 100
 
 
 def test_steps_over_three_nights(tmp_path):
-    dataset = tmp_path / "ds.jsonl"
-    dataset.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"What is {i} + 1?", "reference": str(i + 1)})
-                               + "\n" for i in range(100)))
-    suite = _suite(dataset)
+    suite = _suite(addition_dataset(tmp_path))
     first = _night(tmp_path, suite, "2026-11-01", right=90)
     assert first["summary"]["interval"]["mean"] == pytest.approx(0.90)
     assert first["summary"]["comparisons"] == [] and first["summary"]["failed_requests"] == 1

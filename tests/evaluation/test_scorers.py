@@ -19,7 +19,9 @@ def test_numeric_accepts(answer):
     assert get_scorer("numeric")(answer, "42").value == 1.0
 
 
-@pytest.mark.parametrize("answer", ["41", "4 2", "", "forty-two", "142", "-42", "The answer is 41; 42 is wrong"])
+@pytest.mark.parametrize("answer", [
+    "41", "4 2", "", "forty-two", "142", "-42", "The answer is 41; 42 is wrong",
+])
 def test_numeric_rejects(answer):
     assert get_scorer("numeric")(answer, "42").value == 0.0
 
