@@ -62,11 +62,13 @@ def count_lines(path: Path) -> int:
         return sum(1 for line in fh if line.strip())
 
 
-def run_baseline(model: str, name: str, input_path: Path, out: Path, env: dict[str, str]) -> float:
+def run_baseline(model: str, name: str, input_path: Path, out: Path, env: dict[str, str],
+                 engine_args: list[str] | None = None) -> float:
     started = time.monotonic()
     proc = subprocess.Popen(
         [str(DEFAULT_PYTHON), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
-         "-o", str(out), "--model", model, "--served-model-name", name, *ENGINE_ARGS],
+         "-o", str(out), "--model", model, "--served-model-name", name,
+         *(ENGINE_ARGS if engine_args is None else engine_args)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # so an interrupted bench takes the engine processes too
     )
@@ -93,13 +95,15 @@ def submit_with_rest(conf: dict, deployment: AirflowDeployment) -> None:
         raise RuntimeError(f"DAG run {run['dag_run_id']} ended {run['state']}")
 
 
-def run_dag(model: str, name: str, input_path: Path, out: Path, submit) -> float:
+def run_dag(model: str, name: str, input_path: Path, out: Path, submit,
+            spec: VLLMServerSpec | None = None, conf: dict | None = None) -> float:
+    """``spec`` (default: the engine of ENGINE_ARGS) must match the baseline's engine arguments."""
     started = time.monotonic()
-    server = VLLMServer(VLLMServerSpec(model=model, served_model_name=name))
+    server = VLLMServer(spec or VLLMServerSpec(model=model, served_model_name=name))
     starting = server.start_in_background()
     try:
         submit({"input_uri": str(input_path), "output_uri": str(out), "endpoint": server.base_url,
-                "concurrency": 256, "model": name})
+                "concurrency": 256, "model": name, **(conf or {})})
         starting.join()
         if server.startup_error is not None:
             raise server.startup_error
