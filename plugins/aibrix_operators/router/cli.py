@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=float(env("ROUTER_REQUEST_TIMEOUT_S", "600")),
         help="seconds one upstream call may take",
     )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=float(env("ROUTER_SHUTDOWN_TIMEOUT_S", "20")),
+        help="on SIGTERM, seconds requests in flight get to finish (the batch driver retries the rest)",
+    )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
     if not (args.decode or args.decode_dns):
@@ -86,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # the image installs uvloop; a bare checkout may lack it
         loop_factory = None
     # print() so a parent process can read the bound port (--port 0) from stdout.
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=lambda s: print(s, flush=True),
-                handle_signals=True, loop=loop_factory() if loop_factory else None)  # fmt: skip
+    web.run_app(
+        app, host=args.host, port=args.port, access_log=None, print=lambda s: print(s, flush=True),
+        handle_signals=True, shutdown_timeout=args.shutdown_timeout_s,
+        loop=loop_factory() if loop_factory else None,
+    )  # fmt: skip
     return 0
 
 
