@@ -41,7 +41,7 @@ class RouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
                "--port", str(self.port), "--prefill", prefill, "--decode", decode,
-               "--health-interval-s", "0.5"]  # fmt: skip
+               "--health-interval-s", "0.5", "--shutdown-timeout-s", "2"]  # fmt: skip
         self.log = open(REPO / ".work" / f"router-{self.port}.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 30
@@ -63,7 +63,11 @@ class RouterProcess:
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
         self.log.close()
 
 
