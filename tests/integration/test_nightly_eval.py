@@ -1,0 +1,110 @@
+"""nightly_eval end to end: `airflow dags test` → the batch TaskGroup → real vLLM CPU serving the
+trained small model → scores, reports and history dropped off to S3 (SeaweedFS).
+
+Night 1: two suites (arithmetic, multiple_choice) on the trained model; night 2: arithmetic
+again, so the report has deltas; night 3: the degraded checkpoint deployed under the same
+served name — a real drop, flagged as a regression, its gate task failed, its report written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aibrix_operators.localenv import REPO_ROOT, WORK_DIR
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from tests.integration.conftest import INFERENCE_PYTHON, TEST_BUCKET
+
+EVAL_MODEL = WORK_DIR / "models" / "eval-llama"
+DEGRADED_MODEL = WORK_DIR / "models" / "eval-llama-degraded"
+SERVED = "eval-llama"
+
+
+@pytest.fixture(scope="module")
+def eval_model() -> Path:
+    """The trained model (`make setup` trains it; this is a no-op when its key matches)."""
+    subprocess.run([str(INFERENCE_PYTHON), str(REPO_ROOT / "inference_images/vllm/train_eval_model.py"),
+                    str(EVAL_MODEL)], check=True)
+    return EVAL_MODEL
+
+
+def serve(model: Path) -> VLLMServer:
+    return VLLMServer(VLLMServerSpec(model=str(model), served_model_name=SERVED, max_model_len=256))
+
+
+def eval_dag(env: dict[str, str], suite: str, conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "dags", "test", f"nightly_eval__{suite}",
+         "-c", json.dumps(conf)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / f"{suite}-{conf['night']}.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
+    eval_model, airflow_session_env, s3_server, tmp_path
+):
+    client = s3_server.client()
+    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket=TEST_BUCKET)
+    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
+            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn)}
+    root = f"s3://{TEST_BUCKET}/nightly"
+
+    def get(key: str) -> bytes:
+        return client.get_object(Bucket=TEST_BUCKET, Key=f"nightly/{key}")["Body"].read()
+
+    def summary(suite: str, night: str) -> dict:
+        return json.loads(get(f"eval/{suite}/{night}/summary.json"))
+
+    def run(server: VLLMServer, suite: str, night: str) -> subprocess.CompletedProcess:
+        return eval_dag(env, suite, {"night": night, "endpoint": server.base_url, "report_uri": root,
+                                     "aws_conn_id": "batch_s3", "concurrency": 32}, tmp_path)
+
+    with serve(eval_model) as good:
+        for suite in ("arithmetic", "multiple_choice"):
+            proc = run(good, suite, "2026-11-01")
+            assert proc.returncode == 0, proc.stdout[-5000:]
+            assert s3_server.secret_key not in proc.stdout + proc.stderr
+            keys = {o["Key"] for o in client.list_objects_v2(
+                Bucket=TEST_BUCKET, Prefix=f"nightly/eval/{suite}/2026-11-01/")["Contents"]}
+            for name in ("report.html", "report.md", "results.jsonl", "summary.json", "trend.png",
+                         "batch/input.jsonl", "batch/output.jsonl", "batch/batch.json"):
+                assert f"nightly/eval/{suite}/2026-11-01/{name}" in keys, (name, sorted(keys))
+        arith = summary("arithmetic", "2026-11-01")
+        assert arith["interval"]["n"] == 200 and arith["failed_requests"] == 0
+        assert arith["interval"]["mean"] >= 0.9, arith  # the trained model learnt held-out additions
+        assert arith["comparisons"] == []  # first night: nothing to compare with; it is the baseline
+        mc = summary("multiple_choice", "2026-11-01")
+        assert mc["interval"]["low"] > 0.25, mc  # well above chance (one in four)
+        results = [json.loads(x) for x in get("eval/arithmetic/2026-11-01/results.jsonl").splitlines()]
+        assert len(results) == 200 and all(r["answer"] is not None for r in results)
+
+        proc = run(good, "arithmetic", "2026-11-02")
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        second = summary("arithmetic", "2026-11-02")
+        deltas = {c["against"]: c for c in second["comparisons"]}
+        assert deltas["previous"]["reference_date"] == "2026-11-01"
+        assert deltas["baseline"]["reference_date"] == "2026-11-01"
+        assert abs(deltas["previous"]["delta"]) <= 0.02 and not second["regression"]  # greedy: same model
+        assert "| previous (2026-11-01) |" in get("eval/arithmetic/2026-11-02/report.md").decode()
+
+    with serve(DEGRADED_MODEL) as degraded:
+        proc = run(degraded, "arithmetic", "2026-11-03")
+    assert proc.returncode != 0, "a regression must fail the run"
+    assert "eval regression in suite arithmetic" in proc.stdout + proc.stderr
+    third = summary("arithmetic", "2026-11-03")
+    assert third["regression"] and all(c["regression"] for c in third["comparisons"]), third
+    assert third["interval"]["mean"] < second["interval"]["mean"] - 0.2
+    html = get("eval/arithmetic/2026-11-03/report.html").decode()  # written before the gate failed
+    assert "REGRESSION" in html and "Top regressed items" in html and "data:image/png;base64," in html
+    history = [json.loads(x) for x in get("eval/arithmetic/history.jsonl").splitlines()]
+    assert [(h["date"], h["regression"]) for h in history] == [
+        ("2026-11-01", False), ("2026-11-02", False), ("2026-11-03", True)]
