@@ -154,7 +154,7 @@ th{{background:#f3f3f3}}tr.bad td{{background:#fde2e2}}tr.up td{{background:#e6f
 <th>regression</th><th>why</th></tr>{''.join(rows)}</table>
 <p>Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also outside tonight's
 confidence interval.</p>
-{items_html}
 <h2>Trend</h2><img alt="score trend" src="data:image/png;base64,{img}">
+{items_html}
 </body></html>
 """
