@@ -46,10 +46,11 @@ system-packages:
 	@command -v chromium >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is missing: sudo apt-get install chromium" >&2; exit 1; fi; }
-	@# prometheus + promtool for the metrics tests: the binaries only, unpacked under .work
-	@test -x $(PROMETHEUS) || { mkdir -p $(WORK)/prometheus && cd $(WORK)/prometheus && \
-	  { apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get download prometheus; }; } && \
-	  dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; }
+	@# prometheus, promtool, pushgateway for the metrics tests: the binaries only, unpacked under .work
+	@test -x $(PROMETHEUS)-pushgateway || { mkdir -p $(WORK)/prometheus && cd $(WORK)/prometheus && \
+	  { apt-get download prometheus prometheus-pushgateway >/dev/null 2>&1 || \
+	    { apt-get update -qq && apt-get download prometheus prometheus-pushgateway; }; } && \
+	  for deb in prometheus*.deb; do dpkg-deb -x $$deb .; done && rm -f prometheus*.deb; }
 
 $(MODEL)/config.json: inference_images/vllm/make_model.py | $(IVENV)/.installed
 	$(IVENV)/bin/python inference_images/vllm/make_model.py $(MODEL) --preset tiny

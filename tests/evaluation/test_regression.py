@@ -116,6 +116,9 @@ def test_steps_over_three_nights(tmp_path):
     md = (third["prefix"] / "report.md").read_text()
     assert "| previous (2026-11-02) | 88.0% | -38.0 pt | **yes** |" in md
     assert (third["prefix"] / "trend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prom = (third["prefix"] / "metrics.prom").read_text()  # what the evaluate task pushes
+    assert 'aibrix_eval_score{model="m",suite="arith"} 0.5' in prom
+    assert 'aibrix_eval_regressions_total{model="m",suite="arith"} 1.0' in prom
     history = load_history(LocalStorage(), str(tmp_path / "root"), "arith")
     assert [(n.date, n.regression) for n in history] == [
         ("2026-11-01", False), ("2026-11-02", False), ("2026-11-03", True)]

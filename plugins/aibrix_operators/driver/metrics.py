@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -163,14 +164,18 @@ def serve_from_env() -> int | None:
 
 def push_from_env(job: str = "aibrix_driver", grouping: dict[str, str] | None = None) -> bool:
     """Push the totals to ``AIBRIX_PUSHGATEWAY_URL`` if set; a failure is logged, never raised
-    (metrics must not fail a batch)."""
+    (metrics must not fail a batch).
+
+    Grouped by ``instance`` = host:pid: the totals are this process's, so two workers pushing at
+    once must not overwrite each other; ``sum()`` over instances is the fleet's total."""
     url = os.environ.get("AIBRIX_PUSHGATEWAY_URL")
     if not url:
         return False
-    from prometheus_client import pushadd_to_gateway
+    from prometheus_client import push_to_gateway
 
+    key = grouping or {"instance": f"{socket.gethostname()}:{os.getpid()}"}
     try:
-        pushadd_to_gateway(url, job=job, registry=REGISTRY, grouping_key=grouping or {}, timeout=5)
+        push_to_gateway(url, job=job, registry=REGISTRY, grouping_key=key, timeout=5)
         return True
     except Exception as exc:  # noqa: BLE001 - observability is best effort
         log.warning("could not push driver metrics to %s: %s", url, exc)
