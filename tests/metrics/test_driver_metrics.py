@@ -92,7 +92,8 @@ def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_re
     while Prometheus scrapes; its HTTP API then holds the batch's series."""
     metrics_port, prom_port = _free_port(), _free_port()
     monkeypatch.setenv("AIBRIX_DRIVER_METRICS_PORT", str(metrics_port))
-    bound = metrics.serve_from_env() or metrics_port  # once per process
+    bound = metrics.serve_from_env()  # once per process: an earlier server's port if one runs
+    assert bound is not None
     targets = tmp_path / "targets"
     targets.mkdir()
     (targets / "drivers.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{bound}"],

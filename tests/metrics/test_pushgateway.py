@@ -92,3 +92,13 @@ def test_push_failure_never_raises(monkeypatch):
     assert driver_metrics.push_from_env() is False
     reg = night_registry("s", "m", Night("2026-11-01", "m", 1.0, 1.0, 1.0, 1), [], 0.0)
     assert push_night(reg, "s", "m") is False
+
+
+def test_a_taken_metrics_port_does_not_fail_the_driver(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setenv("AIBRIX_DRIVER_METRICS_PORT", str(held.getsockname()[1]))
+        monkeypatch.setattr(driver_metrics, "_server_started", False)
+        monkeypatch.setattr(driver_metrics, "_bound_port", None)
+        assert driver_metrics.serve_from_env() is None

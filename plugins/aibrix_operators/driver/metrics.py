@@ -144,20 +144,28 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 COLLECTOR = DriverCollector()
 REGISTRY.register(COLLECTOR)
 _server_started = False
+_bound_port: int | None = None
 
 
 def serve_from_env() -> int | None:
-    """Serve /metrics on ``AIBRIX_DRIVER_METRICS_PORT`` (once per process); the bound port."""
-    global _server_started
+    """Serve /metrics on ``AIBRIX_DRIVER_METRICS_PORT`` (once per process); the bound port, or
+    None when not serving."""
+    global _server_started, _bound_port
     port = os.environ.get("AIBRIX_DRIVER_METRICS_PORT")
-    if not port or _server_started:
-        return None
+    if _server_started or not port:
+        return _bound_port
     from prometheus_client import start_http_server
 
     addr = os.environ.get("AIBRIX_DRIVER_METRICS_ADDR", "127.0.0.1")
-    server, _ = start_http_server(int(port), addr=addr, registry=REGISTRY)
-    _server_started = True
-    bound = int(server.server_port)
+    _server_started = True  # one attempt per process, whatever happens
+    try:
+        server, _ = start_http_server(int(port), addr=addr, registry=REGISTRY)
+    except (OSError, ValueError) as exc:
+        # Another worker process on this host holds the port (LocalExecutor runs several):
+        # this one still pushes its totals at the end; metrics never fail a shard.
+        log.warning("driver metrics not served on %s:%s: %s", addr, port, exc)
+        return None
+    bound = _bound_port = int(server.server_port)
     log.info("driver metrics on http://%s:%d/metrics", addr, bound)
     return bound
 
