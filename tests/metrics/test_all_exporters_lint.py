@@ -1,0 +1,33 @@
+"""`promtool check metrics` on every exporter in the repo: driver, eval, router, scaling, kvcache."""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import generate_latest
+
+from tests.metrics.conftest import check_metrics
+
+
+def _lint(promtool, text: str) -> None:
+    result = check_metrics(promtool, text)
+    assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+
+def test_router_exposition(promtool):
+    from aibrix_operators.router.metrics import RouterMetrics
+
+    _lint(promtool, generate_latest(RouterMetrics().registry).decode())
+
+
+def test_scaling_exposition(promtool):
+    from aibrix_operators.scaling import metrics as scaling
+
+    _lint(promtool, generate_latest(scaling.REGISTRY).decode())
+
+
+def test_kvcache_exposition(promtool):
+    from kvcache import metrics as kv  # noqa: F401 - registers on the default registry
+
+    text = generate_latest(prometheus_client.REGISTRY).decode()
+    assert "kvcache_lookup_hit_tokens_total" in text
+    _lint(promtool, text)
