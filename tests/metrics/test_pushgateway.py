@@ -6,12 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import time
 import urllib.request
-from collections.abc import Iterator
-
-import pytest
 
 from aibrix_operators.driver import metrics as driver_metrics
 from aibrix_operators.driver.config import DriverConfig
@@ -19,30 +14,6 @@ from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.evaluation.history import Night
 from aibrix_operators.evaluation.metrics import night_registry, push_night
 from aibrix_operators.storage import LocalStorage
-from tests.metrics.conftest import PROM_BIN
-
-
-@pytest.fixture
-def pushgateway(tmp_path) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(PROM_BIN / "prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(tmp_path / "pushgateway.log").open("w"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(url + "/-/ready", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, (tmp_path / "pushgateway.log").read_text()
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _scrape(url: str) -> str:
