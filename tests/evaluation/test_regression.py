@@ -66,7 +66,7 @@ def addition_dataset(tmp_path: Path, n: int = 100) -> Path:
 
 def _suite(dataset: Path) -> Suite:
     return Suite(name="arith", dataset=str(dataset), scorer="numeric", models=("m",),
-                 prompt_template="Q: {prompt}", thresholds=Thresholds(max_drop=0.05))
+                 prompt_template="Q: {prompt}", thresholds=Thresholds(max_drop=0.05, min_score=0.8))
 
 
 def _answer(cid: str, text: str) -> str:
@@ -115,6 +115,8 @@ def test_steps_over_three_nights(tmp_path):
     assert "REGRESSION" in html and "data:image/png;base64," in html and "<script" not in html
     md = (third["prefix"] / "report.md").read_text()
     assert "| previous (2026-11-02) | 88.0% | -38.0 pt | **yes** |" in md
+    assert "Floor 80.0%: BELOW." in md
+    assert "Floor 80.0%: met." in (second["prefix"] / "report.md").read_text()
     assert (third["prefix"] / "trend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     prom = (third["prefix"] / "metrics.prom").read_text()  # what the evaluate task pushes
     assert 'aibrix_eval_score{model="m",suite="arith"} 0.5' in prom

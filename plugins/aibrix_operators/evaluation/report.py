@@ -75,6 +75,14 @@ def trend_png(history: list[Night], max_points: int = 400) -> bytes:
     return buf.getvalue()
 
 
+def _floor_note(data: ReportData) -> str:
+    """The suite's informational floor (thresholds.min_score): not a regression rule."""
+    if data.min_score is None:
+        return ""
+    below = data.interval.mean < data.min_score
+    return f"Floor {_pct(data.min_score)}: {'BELOW' if below else 'met'}."
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -99,7 +107,7 @@ def render_markdown(data: ReportData) -> str:
                      f"({c.reference_date or '—'}) | {_pct(c.reference_score)} | {_delta(c)} | "
                      f"{'**yes**' if c.regression else 'no'} | {c.reason} |")
     lines += ["", f"Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also "
-              "outside tonight's confidence interval.", ""]
+              f"outside tonight's confidence interval. {_floor_note(data)}".rstrip(), ""]
     if data.regressed_items:
         lines += ["## Top regressed items", "", "| id | reference | before | now |", "|---|---|---|---|"]
         for it in data.regressed_items:
@@ -153,7 +161,7 @@ th{{background:#f3f3f3}}tr.bad td{{background:#fde2e2}}tr.up td{{background:#e6f
 <table><tr><th>score</th><th>{iv.confidence:.0%} CI</th><th>vs</th><th>reference</th><th>delta</th>
 <th>regression</th><th>why</th></tr>{''.join(rows)}</table>
 <p>Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also outside tonight's
-confidence interval.</p>
+confidence interval. {_h(_floor_note(data))}</p>
 <h2>Trend</h2><img alt="score trend" src="data:image/png;base64,{img}">
 {items_html}
 </body></html>
