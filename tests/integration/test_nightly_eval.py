@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.integration.conftest import INFERENCE_PYTHON, TEST_BUCKET
+from tests.metrics.conftest import start_pushgateway
 
 EVAL_MODEL = WORK_DIR / "models" / "eval-llama"
 DEGRADED_MODEL = WORK_DIR / "models" / "eval-llama-degraded"
@@ -47,15 +50,33 @@ def eval_dag(env: dict[str, str], suite: str, conf: dict, log_dir: Path) -> subp
     return proc
 
 
+@pytest.fixture
+def gateway(tmp_path) -> Iterator[str]:
+    with start_pushgateway(tmp_path) as url:
+        yield url
+
+
+def pushed(gateway: str, name: str, **labels: str) -> float:
+    """The sum of a sample over the Pushgateway's groups (drivers push one group per process)."""
+    with urllib.request.urlopen(gateway + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())]
+    assert values, f"{name}{labels} not on the Pushgateway"
+    return sum(values)
+
+
 def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
-    eval_model, airflow_session_env, s3_server, tmp_path
+    eval_model, airflow_session_env, s3_server, gateway, tmp_path
 ):
     client = s3_server.client()
     if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
         client.create_bucket(Bucket=TEST_BUCKET)
     conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
             "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
-    env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn)}
+    # the evaluate task pushes the night's scores; the shard drivers push their totals
+    env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
+           "AIBRIX_PUSHGATEWAY_URL": gateway}
     root = f"s3://{TEST_BUCKET}/nightly"
 
     def get(key: str) -> bytes:
@@ -108,3 +129,12 @@ def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
     history = [json.loads(x) for x in get("eval/arithmetic/history.jsonl").splitlines()]
     assert [(h["date"], h["regression"]) for h in history] == [
         ("2026-11-01", False), ("2026-11-02", False), ("2026-11-03", True)]
+    # ...and the regression reached Prometheus' side: the pushed gauges and counter
+    arith = {"job": "aibrix_eval", "model": SERVED, "suite": "arithmetic"}
+    assert pushed(gateway, "aibrix_eval_regression", **arith) == 1
+    assert pushed(gateway, "aibrix_eval_regressions_total", **arith) == 1
+    assert pushed(gateway, "aibrix_eval_score", **arith) == third["interval"]["mean"]
+    mc_pushed = pushed(gateway, "aibrix_eval_score", job="aibrix_eval", suite="multiple_choice")
+    assert mc_pushed == mc["interval"]["mean"]
+    # every request of the four nights' batches, whichever processes ran the shards
+    assert pushed(gateway, "aibrix_driver_requests_total", job="aibrix_driver", outcome="completed") == 700
