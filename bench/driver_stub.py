@@ -12,6 +12,8 @@ measured in the same run by a trivial raw-socket client on the driver's CPU.
     # this tree's driver against another checkout's (e.g. `git worktree add ../base HEAD~5`),
     # alternating runs in fresh processes against the same stub; the ratio is the result:
     .venv/bin/python bench/driver_stub.py --compare-plugins ../base/plugins --repeat 5
+    # the same comparison in instructions per request (callgrind; slow, immune to a busy machine):
+    .venv/bin/python bench/driver_stub.py --compare-plugins ../base/plugins --instructions --requests 4000
 """
 
 from __future__ import annotations
@@ -131,16 +133,59 @@ def pin(cpu: int | None) -> None:
 
 
 def run_driver_in_child(
-    plugins: Path, shard: Path, results: Path, port: int, concurrency: int, total: int, cpu: int | None
+    plugins: Path, shard: Path, results: Path, port: int, concurrency: int, total: int, cpu: int | None,
+    callgrind_out: Path | None = None,
 ) -> dict:
-    """``run_driver`` in a fresh process importing ``aibrix_operators`` from ``plugins``."""
+    """``run_driver`` in a fresh process importing ``aibrix_operators`` from ``plugins``
+    (under callgrind, counting instructions, when ``callgrind_out`` is given)."""
     cmd = [sys.executable, __file__, "--worker", "--plugins", str(plugins), "--shard", str(shard),
            "--results", str(results), "--port", str(port), "--concurrency", str(concurrency),
            "--requests", str(total)]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
+    if callgrind_out is not None:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind_out}", *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if callgrind_out is not None:
+        result["instructions"] = _callgrind_total(callgrind_out)
+    return result
+
+
+def _callgrind_total(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("summary:") or line.startswith("totals:"):
+            return int(line.split()[1])
+    raise ValueError(f"no instruction total in {path}")
+
+
+def instructions_main(args: argparse.Namespace, levels: list[int]) -> int:
+    """Instructions per request (callgrind: the same count whatever else the machine does),
+    this tree vs the other: the difference between a large and a small run, so start-up
+    and imports cancel out."""
+    ours = REPO / "plugins"
+    other = Path(args.compare_plugins).resolve()
+    small, large = max(args.requests // 4, 500), args.requests
+    shards = {n: write_shard(args.workdir / f"shard-{n}.jsonl", n) for n in (small, large)}
+    print(f"\ninstructions per request (callgrind), runs of {large:,} minus {small:,} requests\n")
+    print(f"{'concurrency':>11}{'this tree':>14}{'other tree':>14}{'this/other':>12}")
+    worst = 0.0
+    with StubProcess(None) as stub:
+        for c in levels:
+            per: dict[Path, float] = {}
+            for plugins in (ours, other):
+                counts = {}
+                for n, shard in shards.items():
+                    out = args.workdir / f"callgrind-{plugins.parent.name}-{c}-{n}.out"
+                    counts[n] = run_driver_in_child(plugins, shard, args.workdir / "results", stub.port, c,
+                                                    n, None, out)["instructions"]
+                per[plugins] = (counts[large] - counts[small]) / (large - small)
+            ratio = per[ours] / per[other]
+            worst = max(worst, ratio)
+            print(f"{c:>11}{per[ours]:>14,.0f}{per[other]:>14,.0f}{ratio:>11.3f}x")
+    shutil.rmtree(args.workdir / "results", ignore_errors=True)
+    print(f"\nhighest ratio {worst:.3f} (<= 1.05: this tree's driver costs within 5% of the other's)")
+    return 0
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -206,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="cProfile the first driver run into this file")
     p.add_argument("--compare-plugins", default=None, metavar="DIR",
                    help="compare with the driver in another checkout's plugins/ directory")
+    p.add_argument("--instructions", action="store_true",
+                   help="with --compare-plugins: count instructions per request under callgrind "
+                        "instead of timing (slow, but the same on a busy machine)")
     # internal: one driver run in a child process (used by --compare-plugins)
     for hidden in ("--plugins", "--shard", "--results", "--port", "--cpu"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -222,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pin and len(cpus) >= 2:
         driver_cpu, stub_cpu = cpus[0], cpus[1]
     logging.basicConfig(level=logging.WARNING)
+    if args.compare_plugins and args.instructions:
+        return instructions_main(args, levels)
     if args.compare_plugins:
         return compare_main(args, levels, driver_cpu, stub_cpu)
 
