@@ -56,3 +56,12 @@ def test_params_reject_bad_values(dag, name, value):
     param.resolve(param.value)  # the default is valid
     with pytest.raises(ParamValidationError):
         param.resolve(value)
+
+
+def test_every_templated_argument_is_a_template_field(dag) -> None:
+    # A "{{ ... }}" handed to an argument that is not in template_fields reaches the task verbatim.
+    for task in dag.tasks:
+        fields = set(task.template_fields)
+        for name, value in vars(task).items():
+            if isinstance(value, str) and "{{" in value:
+                assert name in fields, f"{task.task_id}.{name} is templated but not a template field"

@@ -72,7 +72,7 @@ def _apply(scaler: RoleScaler, settings: ScalingSettings, decisions: dict[str, S
 
 
 class RolesReadySensor(BaseOperator):
-    template_fields: Sequence[str] = ("validated", "execution_mode")
+    template_fields: Sequence[str] = ("validated", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, execution_mode: str = "local", aws_conn_id: str | None = None,
                  poll_interval_s: float = 10.0, timeout_s: float = 1800.0, **kwargs: Any) -> None:
@@ -121,7 +121,7 @@ class RolesReadySensor(BaseOperator):
 
 
 class AutoscaleSensor(BaseOperator):
-    template_fields: Sequence[str] = ("validated", "shards", "execution_mode")
+    template_fields: Sequence[str] = ("validated", "shards", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, shards: Any, execution_mode: str = "local",
                  aws_conn_id: str | None = None, interval_s: float | None = None,
