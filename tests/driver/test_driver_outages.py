@@ -51,6 +51,12 @@ def take_down_after_first_result(server, prefix_log, down_s: float) -> Outage:
     return Outage(server, prefix_log, down_s)
 
 
+async def first_checkpoint(log) -> None:
+    """Return once the shard has made its first answers durable: the fault lands mid-shard."""
+    while not log.segments():
+        await asyncio.sleep(0.01)
+
+
 async def test_outage_longer_than_retry_budget_loses_and_fails_nothing(tmp_path, fault_server, make_request):
     storage = LocalStorage()
     records = [make_request(f"o-{i:04d}", "slow:0.01") for i in range(400)]
@@ -98,8 +104,7 @@ async def test_503_storm_for_every_request_is_an_outage_not_error_lines(tmp_path
     log = shard_result_log(storage, prefix, shard)
 
     async def storm() -> None:
-        while not log.segments():
-            await asyncio.sleep(0.01)
+        await first_checkpoint(log)
         fault_server.storm = 503
 
     task = asyncio.create_task(storm())
@@ -136,8 +141,7 @@ async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_
     log = shard_result_log(store, prefix, shard)
 
     async def outage() -> None:
-        while not log.segments():
-            await asyncio.sleep(0.01)
+        await first_checkpoint(log)
         store.down.set()
         await asyncio.sleep(1.0)
         store.down.clear()
@@ -162,8 +166,7 @@ async def test_store_down_past_retry_time_fails_and_retry_completes(tmp_path, fa
     log = shard_result_log(store, prefix, shard)
 
     async def outage() -> None:
-        while not log.segments():
-            await asyncio.sleep(0.01)
+        await first_checkpoint(log)
         store.down.set()
 
     task = asyncio.create_task(outage())
@@ -277,8 +280,7 @@ async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fau
     log = shard_result_log(storage, results_prefix(work, shard.name), shard.uri)
 
     async def cancel_after_first_checkpoint() -> float:
-        while not log.segments():
-            await asyncio.sleep(0.01)
+        await first_checkpoint(log)
         request_cancel(storage, work)
         return time.monotonic()
 
