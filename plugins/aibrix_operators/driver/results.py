@@ -95,12 +95,17 @@ class ResultLog:
         found = [u for u in self.storage.list(self.prefix) if u.endswith(SEGMENT_SUFFIX)]
         return sorted(found, key=lambda u: u.rsplit("/", 1)[-1])
 
-    def iter_records(self) -> Iterator[tuple[str, bytes]]:
-        """Every stored result line as ``(custom_id, line)``, in segment order."""
+    def _stored(self) -> Iterator[tuple[dict, bytes]]:
+        """Every stored result as ``(record, line)``, in segment order."""
         for uri in self.segments():
             for line in self.storage.read_bytes(uri).splitlines():
                 if line:
-                    yield loads(line)["custom_id"], line
+                    yield loads(line), line
+
+    def iter_records(self) -> Iterator[tuple[str, bytes]]:
+        """Every stored result line as ``(custom_id, line)``, in segment order."""
+        for record, line in self._stored():
+            yield record["custom_id"], line
 
     def done_ids(self) -> set[str]:
         return self.scan()[0]
@@ -109,13 +114,10 @@ class ResultLog:
         """The answered ``custom_id``s, and how many of those answers are error lines."""
         done: set[str] = set()
         errors = 0
-        for uri in self.segments():
-            for line in self.storage.read_bytes(uri).splitlines():
-                if line:
-                    record = loads(line)
-                    if record["custom_id"] not in done:
-                        done.add(record["custom_id"])
-                        errors += record.get("error") is not None
+        for record, _ in self._stored():
+            if record["custom_id"] not in done:
+                done.add(record["custom_id"])
+                errors += record.get("error") is not None
         return done, errors
 
     def append(self, line: bytes) -> None:
