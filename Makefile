@@ -68,15 +68,16 @@ lint: $(VENV)/.installed
 
 test: setup lint test-orchestrator test-inference
 
-# Airflow, the driver, S3 and the end-to-end DAG runs. Each suite keeps its temporary files
-# under .work (--basetemp): pytest prunes all but the newest 3 of /tmp/pytest-of-$USER, which
-# deletes a long run's fixtures (an Airflow home, an S3 data dir) when other pytest runs start.
+# Airflow, the driver, S3 and the end-to-end DAG runs. Temporary files stay under /tmp: vLLM puts
+# its IPC sockets in TMPDIR, which some tests point at tmp_path, and a deep --basetemp (a clone in
+# a long path) overflows the 107-byte socket path limit. Don't run two suites at once: pytest
+# prunes all but the newest 3 of /tmp/pytest-of-$USER, including a running suite's fixtures.
 test-orchestrator: setup
-	$(VENV)/bin/python -m pytest -q --timeout=900 --basetemp=$(WORK)/pytest-orch tests --ignore=tests/kvcache
+	$(VENV)/bin/python -m pytest -q --timeout=900 tests --ignore=tests/kvcache
 
 # The KV-cache connector inside real vLLM CPU servers.
 test-inference: setup
-	$(IVENV)/bin/python -m pytest -q --timeout=900 --basetemp=$(WORK)/pytest-inf tests/kvcache
+	$(IVENV)/bin/python -m pytest -q --timeout=900 tests/kvcache
 
 clean:
 	rm -rf $(WORK)/outputs $(WORK)/airflow $(WORK)/logs $(WORK)/tmp
