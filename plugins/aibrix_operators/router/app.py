@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK, PrefixAffinity
 from .backends import DECODE, PREFILL, Backend, BackendPool
 from .health import HealthChecker
 from .metrics import RouterMetrics
@@ -27,10 +28,14 @@ def build_app(
     health_interval_s: float = 1.0,
     request_timeout_s: float = 600.0,
     dns: dict[str, str] | None = None,
+    prefix_affinity: bool = True,
+    affinity_entries: int = DEFAULT_ENTRIES,
+    affinity_slack: float = DEFAULT_SLACK,
 ) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     pool = BackendPool(backends)
     metrics = RouterMetrics()
+    affinity = PrefixAffinity(affinity_entries, affinity_slack) if prefix_affinity else None
     app[POOL] = pool
     app[METRICS] = metrics
 
@@ -42,7 +47,7 @@ def build_app(
             auto_decompress=False,
         )  # fmt: skip
         app[SESSION] = session
-        app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s)
+        app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s, affinity=affinity)
         checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns)
         app[CHECKER] = checker
         await checker.refresh()  # serve with a known pool from the first request

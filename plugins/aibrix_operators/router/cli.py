@@ -18,6 +18,7 @@ import sys
 
 from aiohttp import web
 
+from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK
 from .app import build_app
 from .backends import DECODE, PREFILL, parse_backend
 
@@ -67,8 +68,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=float(env("ROUTER_SHUTDOWN_TIMEOUT_S", "20")),
         help="on SIGTERM, seconds requests in flight get to finish (the batch driver retries the rest)",
     )
+    p.add_argument(
+        "--prefix-affinity",
+        choices=("on", "off"),
+        default=env("ROUTER_PREFIX_AFFINITY", "on"),
+        help="send requests with the same prompt prefix to the instance that took it last, unless it "
+        "is busier than the least-loaded by more than --affinity-slack (default: on)",
+    )
+    p.add_argument(
+        "--affinity-slack",
+        type=float,
+        default=float(env("ROUTER_AFFINITY_SLACK", str(DEFAULT_SLACK))),
+        help="load score (about one running request per unit) an instance holding the prefix may "
+        "carry above the least-loaded one and still be chosen (default: %(default)s)",
+    )
+    p.add_argument(
+        "--affinity-entries",
+        type=int,
+        default=int(env("ROUTER_AFFINITY_ENTRIES", str(DEFAULT_ENTRIES))),
+        help="prefix blocks (512 bytes of prompt each) remembered per role, least recently used "
+        "dropped first (default: %(default)s)",
+    )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
+    if args.affinity_slack < 0 or args.affinity_entries < 1:
+        p.error("--affinity-slack must be >= 0 and --affinity-entries >= 1")
     if not (args.decode or args.decode_dns):
         p.error("at least one decode instance (--decode or --decode-dns) is needed")
     return args
@@ -84,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     dns = {role: t for role, t in ((PREFILL, args.prefill_dns), (DECODE, args.decode_dns)) if t}
     app = build_app(backends, health_interval_s=args.health_interval_s,
-                    request_timeout_s=args.request_timeout_s, dns=dns)  # fmt: skip
+                    request_timeout_s=args.request_timeout_s, dns=dns,
+                    prefix_affinity=args.prefix_affinity == "on", affinity_entries=args.affinity_entries,
+                    affinity_slack=args.affinity_slack)  # fmt: skip
     try:
         import uvloop
 

@@ -46,6 +46,15 @@ class RouterMetrics:
         self.pod_set_hits = Counter(
             "router_same_pod_set", "Decode instance chosen in the prefill's pod set", registry=r
         )
+        self.affinity = Counter(
+            "router_prefix_affinity",
+            "Requests with a prompt of at least one prefix block, by role and affinity outcome: hit (sent "
+            "to an instance that took the same prefix), overloaded (every such instance was busier than "
+            "the least-loaded by more than the slack), miss (no healthy instance took it)",
+            ["role", "outcome"], registry=r,
+        )  # fmt: skip
+        # labels() takes a lock and a dict lookup; the children are made once.
+        self._affinity_children: dict[tuple[str, str], Counter] = {}
         self.inflight = Gauge("router_inflight_requests", "Requests in the router", registry=r)
         self.healthy = Gauge(
             "router_backend_healthy", "1 if the instance is healthy", ["role", "url"], registry=r
@@ -53,6 +62,12 @@ class RouterMetrics:
         self.load = Gauge(
             "router_backend_load_score", "Load score used for selection", ["role", "url"], registry=r
         )
+
+    def affinity_outcome(self, role: str, outcome: str) -> Counter:
+        child = self._affinity_children.get((role, outcome))
+        if child is None:
+            child = self._affinity_children[(role, outcome)] = self.affinity.labels(role, outcome)
+        return child
 
     def observe_backend(self, b: Backend) -> None:
         self.healthy.labels(b.role, b.url).set(1 if b.healthy else 0)

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .affinity import PrefixAffinity, prefix_blocks
 from .backends import DECODE, PREFILL, Backend, BackendPool
 from .metrics import RouterMetrics
 from .requests import decode_body, prefill_body
@@ -46,8 +47,10 @@ class Proxy:
         *,
         request_timeout_s: float = 600.0,
         decode_attempts: int = 3,
+        affinity: PrefixAffinity | None = None,
     ) -> None:
         self.pool = pool
+        self.affinity = affinity
         self.session = session
         self.metrics = metrics
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
@@ -59,12 +62,24 @@ class Proxy:
         self.metrics.upstream_errors.labels(backend.role, reason).inc()
         self.metrics.observe_backend(backend)
 
+    def _pick(
+        self, role: str, blocks: list[int], prefer_pod_set: str | None = None, exclude: set[str] | None = None
+    ) -> Backend | None:
+        """Least-loaded, or with prefix affinity on, the instance holding the prompt's prefix
+        (router/affinity.py)."""
+        if not blocks or self.affinity is None:
+            return self.pool.pick(role, prefer_pod_set, exclude)
+        backend, outcome = self.affinity.pick(self.pool, role, blocks, prefer_pod_set, exclude)
+        if outcome is not None:
+            self.metrics.affinity_outcome(role, outcome).inc()
+        return backend
+
     async def _prefill(
-        self, path: str, body: dict[str, Any]
+        self, path: str, body: dict[str, Any], blocks: list[int]
     ) -> tuple[web.Response | None, Backend | None, Any]:
         """Returns (a response to pass back to the client, the prefill instance, the
         kv_transfer_params it returned). The response is set only for the request's own error."""
-        backend = self.pool.pick(PREFILL)
+        backend = self._pick(PREFILL, blocks)
         if backend is None:
             self.metrics.prefill_fallback.inc()
             return None, None, None
@@ -109,14 +124,15 @@ class Proxy:
             return openai_error(
                 400, "request body must be a JSON object", "invalid_json", "invalid_request_error"
             )
-        error, prefill, params = await self._prefill(path, body)
+        blocks = prefix_blocks(raw, body) if self.affinity is not None else []
+        error, prefill, params = await self._prefill(path, body, blocks)
         if error is not None:
             return error
         data = orjson.dumps(decode_body(body, params)) if params else raw
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         for _ in range(self.decode_attempts):
-            backend = self.pool.pick(DECODE, prefill.pod_set if prefill else None, tried)
+            backend = self._pick(DECODE, blocks, prefill.pod_set if prefill else None, tried)
             if backend is None:
                 break
             if prefill is not None and prefill.pod_set and backend.pod_set == prefill.pod_set:
