@@ -28,6 +28,7 @@ from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSetting
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.hooks.driver_pods import load_driver_pod_settings
 from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.operators.batch_metrics import shard_finished
 from aibrix_operators.operators.step_errors import records_step_error
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
@@ -178,7 +179,9 @@ class DispatchShardOperator(BaseOperator):
         storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
-        return executor.run(storage, shard, work, config, batch.model)
+        outcome = executor.run(storage, shard, work, config, batch.model)
+        shard_finished(context, batch.batch_id)
+        return outcome
 
     @records_step_error("dispatch")
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +189,7 @@ class DispatchShardOperator(BaseOperator):
         re-deferral by the provider comes back here)."""
         request = self._pod_request(context)
         outcome = KubernetesShardExecutor(self._pod_settings()).finish(context, request, event)
+        shard_finished(context, request.batch_id)
         self.log.info("shard %s: %s completed, %s failed (pod outcome)", request.shard_index,
                       outcome.get("completed"), outcome.get("failed"))
         return outcome
