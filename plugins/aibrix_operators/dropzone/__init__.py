@@ -1,0 +1,6 @@
+"""The S3 drop zone: a JSONL file landing under an inbox prefix starts a ``batch_inference`` run.
+
+``core`` (no Airflow): which inbox objects are new, claiming each (name, content) once, the
+settings. ``trigger``/``operators``: the deferrable wait and the tasks of ``dags/s3_dropzone.py``.
+Design and decisions: docs/dropzone.md.
+"""

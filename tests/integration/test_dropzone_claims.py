@@ -1,0 +1,137 @@
+"""The drop zone's claim logic against a real S3 server (SeaweedFS): each (name, content) starts
+one batch, however often it is seen or re-uploaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+
+from aibrix_operators.dropzone.core import (
+    DropZone,
+    InboxObject,
+    claim,
+    find_new,
+    record,
+)
+from tests.integration.conftest import TEST_BUCKET
+
+A = b'{"custom_id": "a"}\n'
+B = b'{"custom_id": "b"}\n'
+
+
+@pytest.fixture
+def s3(s3_server):
+    client = s3_server.client()
+    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket=TEST_BUCKET)
+    return client
+
+
+@pytest.fixture
+def zone():
+    root = f"s3://{TEST_BUCKET}/claims-{uuid.uuid4().hex[:8]}"
+    return DropZone.parse(f"{root}/inbox/", f"{root}/outbox/")
+
+
+def put(s3, zone: DropZone, name: str, body: bytes, multipart: bool = False) -> None:
+    key = zone.inbox[len(f"s3://{TEST_BUCKET}/"):] + name
+    if not multipart:
+        s3.put_object(Bucket=TEST_BUCKET, Key=key, Body=body)
+        return
+    upload = s3.create_multipart_upload(Bucket=TEST_BUCKET, Key=key)["UploadId"]
+    part = s3.upload_part(Bucket=TEST_BUCKET, Key=key, UploadId=upload, PartNumber=1, Body=body)
+    s3.complete_multipart_upload(Bucket=TEST_BUCKET, Key=key, UploadId=upload,
+                                 MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+
+
+def get(s3, uri: str) -> bytes:
+    return s3.get_object(Bucket=TEST_BUCKET, Key=uri[len(f"s3://{TEST_BUCKET}/"):])["Body"].read()
+
+
+def claim_all(s3, zone: DropZone) -> list:
+    """One pass of the DAG: claim what is new, 'start' and record the new claims."""
+    outcomes = [claim(s3, zone, obj) for obj in find_new(s3, zone)]
+    for outcome in outcomes:
+        if outcome.claim is not None:
+            record(s3, zone, outcome.claim)
+    return outcomes
+
+
+def test_a_drop_is_claimed_once_with_a_snapshot_of_what_was_hashed(s3, zone):
+    put(s3, zone, "a.jsonl", A)
+    [first] = claim_all(s3, zone)
+    assert first.status == "new" and first.sha256 == hashlib.sha256(A).hexdigest()
+    c = first.claim
+    assert c.output_uri == zone.outbox + "a.jsonl" and get(s3, c.input_uri) == A
+    record_body = json.loads(get(s3, zone.claim_uri("a.jsonl", c.sha256)))
+    assert record_body["run_id"] == c.run_id and record_body["source_uri"] == zone.inbox + "a.jsonl"
+    # Seen again (the next poll): nothing new, nothing hashed.
+    assert find_new(s3, zone) == [] and claim_all(s3, zone) == []
+
+
+def test_same_content_re_uploaded_starts_nothing_whatever_its_etag(s3, zone):
+    put(s3, zone, "a.jsonl", A)
+    [first] = claim_all(s3, zone)
+    put(s3, zone, "a.jsonl", A)  # single PUT: same ETag (MD5), same version → not even listed as new
+    assert find_new(s3, zone) == []
+    put(s3, zone, "a.jsonl", A, multipart=True)  # same bytes, multipart ETag "...-1"
+    [listed] = find_new(s3, zone)
+    assert listed.etag != first.obj.etag and listed.etag.endswith("-1")
+    [again] = claim_all(s3, zone)
+    assert again.status == "duplicate" and again.run_id == first.run_id
+    assert find_new(s3, zone) == []  # the duplicate version is marked seen
+
+
+def test_a_changed_file_under_the_same_name_is_a_new_batch(s3, zone):
+    put(s3, zone, "a.jsonl", A)
+    [first] = claim_all(s3, zone)
+    put(s3, zone, "a.jsonl", B)
+    [second] = claim_all(s3, zone)
+    assert second.status == "new" and second.run_id != first.run_id
+    assert second.claim.output_uri == first.claim.output_uri  # outbox/<name>/: the newest results
+    assert get(s3, second.claim.input_uri) == B and get(s3, first.claim.input_uri) == A
+    # Back to the first content: that (name, content) already had its batch.
+    put(s3, zone, "a.jsonl", A, multipart=True)
+    [third] = claim_all(s3, zone)
+    assert third.status == "duplicate" and third.run_id == first.run_id
+
+
+def test_the_same_content_under_another_name_is_its_own_batch(s3, zone):
+    put(s3, zone, "a.jsonl", A)
+    put(s3, zone, "copy/a.jsonl", A)
+    outcomes = claim_all(s3, zone)
+    assert [o.status for o in outcomes] == ["new", "new"]
+    assert len({o.run_id for o in outcomes}) == 2
+    assert outcomes[0].claim.input_uri == outcomes[1].claim.input_uri  # one snapshot per content
+
+
+def test_claimed_twice_before_recording_gives_the_same_run(s3, zone):
+    """A pass that died after starting the run but before recording it: the next pass claims the
+    object again with the same run id, which Airflow creates only once."""
+    put(s3, zone, "a.jsonl", A)
+    [obj] = find_new(s3, zone)
+    one, two = claim(s3, zone, obj), claim(s3, zone, obj)
+    assert one.status == two.status == "new" and one.run_id == two.run_id
+    record(s3, zone, one.claim)
+    record(s3, zone, two.claim)  # a second record keeps the first
+    assert json.loads(get(s3, zone.claim_uri("a.jsonl", one.sha256)))["claimed_at"] == one.claim.claimed_at
+
+
+def test_an_object_replaced_after_listing_is_left_for_its_next_version(s3, zone):
+    put(s3, zone, "a.jsonl", A)
+    [listed] = find_new(s3, zone)
+    put(s3, zone, "a.jsonl", B)  # overwritten between the poll and the claim
+    assert claim(s3, zone, listed).status == "changed"
+    [now] = find_new(s3, zone)
+    assert now.etag != listed.etag and claim(s3, zone, now).sha256 == hashlib.sha256(B).hexdigest()
+    gone = InboxObject("deleted.jsonl", listed.etag, listed.size)
+    assert claim(s3, zone, gone).status == "changed"
+
+
+def test_hidden_and_temporary_objects_are_ignored(s3, zone):
+    for name in ("_SUCCESS", ".a.jsonl.part", "tmp/_staging/x.jsonl"):
+        put(s3, zone, name, A)
+    assert find_new(s3, zone) == []
