@@ -17,7 +17,8 @@ graceful deletion (SIGTERM, SIGKILL after the grace period, then the object goes
 ``schedulable = False`` (pods stay Pending as Unschedulable), ``kill`` (the container
 dies with 128+signal) and ``evict`` (``reason: Evicted``). Not modelled: restarts
 (every pod behaves as ``restartPolicy: Never``), init/sidecar containers, volumes,
-resource limits.
+resource limits. Pods bound (``spec.nodeName``) to another node are left alone, so a
+test can add pods "running elsewhere" with any status it likes.
 """
 
 from __future__ import annotations
@@ -177,6 +178,8 @@ class FakeKubelet:
 
     def _sync(self) -> None:
         for pod in self.store.list(PODS):
+            if pod["spec"].get("nodeName") not in (None, self.node_name):
+                continue  # bound to another node: not this kubelet's to run
             meta = pod["metadata"]
             with self._lock:
                 run = self.runs.get(meta["uid"])

@@ -62,11 +62,22 @@ def _answer(i: int) -> bytes:
 
 
 class FakeTI:
-    def __init__(self) -> None:
+    """What the sensor uses of the runtime task instance: XCom, and the dispatch task
+    instances' states (the Execution API's ``get_ti_count``)."""
+
+    dag_id = "batch_inference"
+
+    def __init__(self, dispatch_states: list[str] | None = None) -> None:
         self.xcom: dict[str, Any] = {}
+        self.dispatch_states = dispatch_states or []
 
     def xcom_push(self, key: str, value: Any) -> None:
         self.xcom[key] = json.loads(json.dumps(value))  # XCom values must be JSON
+
+    def get_ti_count(self, dag_id: str, task_ids: list[str], run_ids: list[str],
+                     states: list[str]) -> int:
+        assert (dag_id, task_ids, run_ids) == ("batch_inference", ["dispatch"], ["run_1"])
+        return sum(s in states for s in self.dispatch_states)
 
 
 def batch(tmp_path: Path, n: int, window_s: float) -> tuple[dict[str, Any], list[dict[str, Any]], ResultLog]:
@@ -139,9 +150,13 @@ def test_autoscale_ticks_scale_defer_with_state_and_end_when_done(configured: Sc
     ti = FakeTI()
     ctx: dict[str, Any] = {"run_id": "run_1", "ti": ti}
     # 40 x 100 output tokens at 10 tok/s in 3600 s: 1 replica → min 2; prefill likewise 2.
+    with pytest.raises(TaskDeferred) as started:
+        op.execute(ctx)  # the first decision waits for a scrape of the roles' load
+    assert started.value.method_name == "tick" and started.value.kwargs == {"state": {}}
     with pytest.raises(TaskDeferred) as first:
-        op.execute(ctx)
-    assert first.value.method_name == "tick" and first.value.trigger.moment is not None
+        op.tick(ctx, event=None, state={})
+    assert first.value.method_name == "tick"
+    assert first.value.trigger.moment == pytest.approx(time.time() + 30, abs=5)
     state = json.loads(json.dumps(first.value.kwargs["state"]))  # survives serialization
     assert roles_of(configured) == {"prefill": 2, "decode": 2}
     assert [d["reason"] for d in ti.xcom[DECISIONS_KEY]["decode"]] == ["hold"]
@@ -170,17 +185,34 @@ def test_autoscale_ticks_scale_defer_with_state_and_end_when_done(configured: Sc
     assert out == {"ended": "every shard is done", "answered": 40, "total": 40}
 
 
+def test_autoscale_ends_when_every_dispatch_task_finished_even_failed(configured: ScalingCluster,
+                                                                      tmp_path: Path) -> None:
+    """A shard whose dispatch failed for good never writes its answers: the autoscaler stops
+    once every dispatch task instance is finished (not while one is up for retry)."""
+    validated, shards, log = batch(tmp_path, 40, window_s=3600.0)
+    two = [shards[0], {**shards[0], "index": 1}]
+    op = AutoscaleSensor(task_id="autoscale", validated=validated, shards=two, execution_mode="kubernetes")
+    ti = FakeTI(["success", "up_for_retry"])
+    ctx: dict[str, Any] = {"run_id": "run_1", "ti": ti}
+    with pytest.raises(TaskDeferred):
+        op.tick(ctx, state={})
+    ti.dispatch_states = ["success", "failed"]
+    out = op.tick(ctx, state={})
+    assert out["ended"] == "every dispatch task has finished (1 of 2 failed)"
+    assert out["answered"] == 0 and out["total"] == 80
+
+
 def test_autoscale_survives_a_500_and_fails_on_403(configured: ScalingCluster, tmp_path: Path) -> None:
     validated, shards, _ = batch(tmp_path, 40, window_s=3600.0)
     op = AutoscaleSensor(task_id="autoscale", validated=validated, shards=shards, execution_mode="kubernetes")
     ctx: dict[str, Any] = {"run_id": "run_1", "ti": FakeTI()}
     configured.api.fail("GET", r"/stormservices/llm$", 500, times=50)
     with pytest.raises(TaskDeferred):  # logged, tried again at the next tick
-        op.execute(ctx)
+        op.tick(ctx, state={})
     configured.api.clear_faults()
     configured.api.fail("GET", r"/stormservices/llm$", 403, times=50)
     with pytest.raises(AirflowException, match="forbidden"):
-        op.execute(ctx)
+        op.tick(ctx, state={})
 
 
 def test_scale_down_sets_idle_replicas_and_reports_failures(configured: ScalingCluster) -> None:

@@ -43,15 +43,17 @@ class ScaleTarget:
     kind: Kind
     name: str
     namespace: str
+    group_size: int = 1  # the role's podGroupSize (pods per gang)
 
     def __post_init__(self) -> None:
         if self.kind not in ("Deployment", "StatefulSet", "StormService"):
             raise ValueError(f"role {self.role}: kind must be Deployment, StatefulSet or StormService")
 
     @classmethod
-    def from_dict(cls, role: str, data: Mapping[str, Any], namespace: str) -> ScaleTarget:
+    def from_dict(cls, role: str, data: Mapping[str, Any], namespace: str,
+                  group_size: int = 1) -> ScaleTarget:
         return cls(role=role, kind=data["kind"], name=data["name"],
-                   namespace=data.get("namespace") or namespace)
+                   namespace=data.get("namespace") or namespace, group_size=group_size)
 
     def describe(self) -> str:
         where = f"{self.kind.lower()}/{self.name}"

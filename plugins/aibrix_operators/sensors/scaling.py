@@ -8,14 +8,17 @@ dispatch tasks after it run as before) and ``autoscale`` / ``scale_down`` skip.
 * ``RolesReadySensor``: applies the policy's first decision (the deadline floor for the
   whole batch), then defers to ``RolesReadyTrigger`` until every role has at least one
   ready pod group.
-* ``AutoscaleSensor``: beside the dispatch tasks; every ``interval_s`` it reads the
-  drivers' progress, decides per role, applies the changes, logs each decision (one JSON
-  line), pushes the latest ones as XCom ``scaling_decisions`` and sets the metrics; then
-  defers on a timer, carrying its state (recommendation history, learnt capacities,
-  progress cursor) in the deferral's kwargs. Ends when every shard is done, or when the
-  completion window is over. A failing API call is logged and retried at the next tick;
-  a permanent one (403, 404) fails the task, which never fails the batch (merge does
-  not depend on it).
+* ``AutoscaleSensor``: beside the dispatch tasks; every ``interval_s`` the
+  ``AutoscaleTickTrigger`` wakes it with a fresh scrape of each role's vLLM ``/metrics``
+  (running / waiting requests, KV cache usage); it reads the drivers' progress, decides
+  per role, applies the changes, logs each decision (one JSON line), pushes the last
+  ``KEEP_DECISIONS`` per role as XCom ``scaling_decisions`` and sets the metrics; then
+  defers again, carrying its state (recommendation history, learnt capacities, progress
+  cursor, the last decisions: all bounded) in the deferral's kwargs. Ends when every
+  shard is done, when every dispatch task instance has finished (a shard failed for good
+  never completes), or when the completion window is over. A failing API call is logged
+  and retried at the next tick; a permanent one (403, 404) fails the task, which never
+  fails the batch (merge does not depend on it).
 * ``ScaleDownOperator``: ``trigger_rule="all_done"``: leaves each role at its
   ``idle_replicas``, whatever happened to the batch.
 """
@@ -26,7 +29,6 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
@@ -38,6 +40,7 @@ from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.hooks.role_scaling import ScalingSettings, load_scaling_settings, sync_api_client
 from aibrix_operators.scaling import metrics
 from aibrix_operators.scaling.kube import RoleScaler, ScalingError
+from aibrix_operators.scaling.load import RoleLoad
 from aibrix_operators.scaling.policy import (
     RemainingWork,
     RoleObservation,
@@ -46,11 +49,13 @@ from aibrix_operators.scaling.policy import (
     decide,
 )
 from aibrix_operators.scaling.progress import ProgressTracker, RequestProfile, sample_profile
-from aibrix_operators.triggers.scaling import RolesReadyTrigger
+from aibrix_operators.triggers.scaling import AutoscaleTickTrigger, RolesReadyTrigger
 
 log = logging.getLogger(__name__)
 DECISIONS_KEY = "scaling_decisions"
-KEEP_DECISIONS = 20  # per role, in the XCom
+KEEP_DECISIONS = 10  # per role, in the XCom and the deferral's state
+# Dispatch task states after which that shard will not make progress any more.
+FINISHED = ("success", "failed", "upstream_failed", "skipped", "removed")
 # Permanent answers: retrying at the next tick cannot help.
 PERMANENT = (403, 404)
 
@@ -125,16 +130,22 @@ class AutoscaleSensor(BaseOperator):
 
     def __init__(self, *, validated: Any, shards: Any, execution_mode: str = "local",
                  aws_conn_id: str | None = None, interval_s: float | None = None,
-                 **kwargs: Any) -> None:
+                 dispatch_task_id: str | None = "dispatch", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.validated = validated
         self.shards = shards
         self.execution_mode = execution_mode
         self.aws_conn_id = aws_conn_id
         self.interval_s = interval_s
+        self.dispatch_task_id = dispatch_task_id
 
     def execute(self, context: Context) -> dict[str, Any]:
-        return self.tick(context)
+        settings = _active_settings(self.execution_mode)
+        if settings is None:
+            raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
+        # The first decision, too, comes with a fresh scrape of the roles' load.
+        self._defer(settings, {}, delay_s=0.0)
+        raise AssertionError("defer() raises")  # pragma: no cover
 
     def tick(
         self, context: Context, event: Any = None, state: dict[str, Any] | None = None
@@ -149,7 +160,7 @@ class AutoscaleSensor(BaseOperator):
         if "profile" not in state:
             state["profile"] = sample_profile(storage, batch.input_uri).__dict__
         profile = RequestProfile(**state["profile"])
-        run_id = context["run_id"] if "run_id" in context else context["dag_run"].run_id
+        run_id = _run_id(context)
         work_uri = work_prefix(batch.output_uri, run_id)
         tracker = ProgressTracker(storage, work_uri, shards, state.get("progress"))
         progress = tracker.poll()
@@ -163,12 +174,13 @@ class AutoscaleSensor(BaseOperator):
             rates["output_tokens"] = (progress.completion_tokens - last["completion"]) / (now - last["at"])
         state["last"] = {"at": now, "prompt": progress.prompt_tokens,
                          "completion": progress.completion_tokens}
-        if progress.done or now > batch.expires_at:
-            why = "every shard is done" if progress.done else "the completion window is over"
+        why = self._end_reason(context, progress.done, len(shards), now > batch.expires_at)
+        if why:
             log.info("autoscale ends: %s (%d/%d answered)", why, progress.answered, progress.total)
             return {"ended": why, "answered": progress.answered, "total": progress.total}
 
         work = progress.remaining(profile)
+        load = ((event or {}).get("load") or {}) if isinstance(event, dict) else {}
         roles_state = state.get("roles") or {}
         history = state.get("decisions") or {}
         scaler = RoleScaler(sync_api_client(settings.kubernetes_conn_id))
@@ -176,9 +188,12 @@ class AutoscaleSensor(BaseOperator):
         try:
             for role, rs in settings.roles.items():
                 current = scaler.replicas(rs.target)
-                # vLLM's load gauges are not scraped yet: zeros (unsaturated) make the policy
-                # use its learnt/nominal capacity and never hold for load.
-                obs = RoleObservation(current.spec, current.ready, rates[rs.policy.work])
+                seen = RoleLoad.from_dict(load.get(role))
+                if seen.error or seen.unreachable:
+                    log.warning("role %s load: %d pods answered, %d did not%s", role, seen.pods,
+                                seen.unreachable, f"; {seen.error}" if seen.error else "")
+                obs = RoleObservation(current.spec, current.ready, rates[rs.policy.work],
+                                      running=seen.running, waiting=seen.waiting, kv_usage=seen.kv_usage)
                 decisions[role] = decide(rs.policy, work, obs, now, batch.expires_at,
                                          RoleState.from_dict(roles_state.get(role)))
             _apply(scaler, settings, decisions, batch.batch_id)
@@ -188,6 +203,8 @@ class AutoscaleSensor(BaseOperator):
             log.warning("autoscale: %s; trying again in %ss", exc, self._interval(settings))
         for role, d in decisions.items():
             roles_state[role] = d.state.as_dict()
+            # Bounded: the deferral carries its state at every tick. Older decisions are in
+            # the task log (one JSON line each) and the decision metrics only.
             history[role] = ([*history.get(role, []), d.as_dict()])[-KEEP_DECISIONS:]
         state["roles"], state["decisions"] = roles_state, history
         context["ti"].xcom_push(key=DECISIONS_KEY, value=history)
@@ -195,14 +212,41 @@ class AutoscaleSensor(BaseOperator):
             from prometheus_client import push_to_gateway
 
             push_to_gateway(settings.pushgateway, job="aibrix_batch_autoscale", registry=metrics.REGISTRY)
-        from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
-
-        self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self._interval(settings))),
-                   method_name="tick", kwargs={"state": state})
+        self._defer(settings, state, delay_s=self._interval(settings))
         raise AssertionError("defer() raises")  # pragma: no cover
+
+    def _end_reason(self, context: Context, all_answered: bool, shards: int, expired: bool) -> str | None:
+        """Why the autoscaler stops now, or None to go on."""
+        if all_answered:
+            return "every shard is done"
+        if self.dispatch_task_id and shards:
+            # A shard whose dispatch failed for good never completes: stop once every
+            # dispatch task instance is finished, whatever its state (up_for_retry is not).
+            ti = context["ti"]
+            run_ids = [_run_id(context)]
+            finished = ti.get_ti_count(dag_id=ti.dag_id, task_ids=[self.dispatch_task_id],
+                                       run_ids=run_ids, states=list(FINISHED))
+            if finished >= shards:
+                failed = ti.get_ti_count(dag_id=ti.dag_id, task_ids=[self.dispatch_task_id],
+                                         run_ids=run_ids, states=["failed", "upstream_failed"])
+                return f"every dispatch task has finished ({failed} of {shards} failed)"
+        if expired:
+            return "the completion window is over"
+        return None
+
+    def _defer(self, settings: ScalingSettings, state: dict[str, Any], delay_s: float) -> None:
+        self.defer(
+            trigger=AutoscaleTickTrigger(
+                moment=time.time() + delay_s, kubernetes_conn_id=settings.kubernetes_conn_id,
+                sources=[rs.metrics.__dict__ for rs in settings.roles.values()]),
+            method_name="tick", kwargs={"state": state})
 
     def _interval(self, settings: ScalingSettings) -> float:
         return self.interval_s if self.interval_s is not None else settings.interval_s
+
+
+def _run_id(context: Context) -> str:
+    return context["run_id"] if "run_id" in context else context["dag_run"].run_id
 
 
 class ScaleDownOperator(BaseOperator):

@@ -1,4 +1,5 @@
-"""``RolesReadyTrigger``: wait, in the triggerer, until every role has its ready replicas."""
+"""Scaling triggers: ``RolesReadyTrigger`` waits until every role has its ready replicas;
+``AutoscaleTickTrigger`` waits out the autoscaler's interval and scrapes vLLM's load."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from aibrix_operators.scaling.kube import ScaleTarget, ScalingError, ready_replicas_async
+from aibrix_operators.scaling.load import MetricsSource, RoleLoad, scrape_roles
 
 
 class RolesReadyTrigger(BaseTrigger):
@@ -58,3 +60,44 @@ class RolesReadyTrigger(BaseTrigger):
                     await asyncio.sleep(self.poll_interval_s)
         except ScalingError as exc:
             yield TriggerEvent({"status": "error", "ready": ready, "message": str(exc)})
+
+
+class AutoscaleTickTrigger(BaseTrigger):
+    """The autoscaler's wait between decisions, ending with a scrape of vLLM's load.
+
+    Sleeps until ``moment`` (epoch seconds) in the triggerer, then lists each role's
+    Ready pods through the Kubernetes API and reads their ``/metrics``
+    (``aibrix_operators.scaling.load``), and fires ``{"status": "tick", "at": ...,
+    "load": {role: RoleLoad.as_dict()}}``. Scrape and API failures are in the load
+    (``error``, ``unreachable``), never an exception: the decision is made without them.
+    The scrape is here, not in the worker, so a slow or hung pod costs no worker slot.
+    """
+
+    def __init__(self, moment: float, sources: list[dict[str, Any]], kubernetes_conn_id: str,
+                 scrape_timeout_s: float = 5.0) -> None:
+        super().__init__()
+        self.moment = moment
+        self.sources = sources
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.scrape_timeout_s = scrape_timeout_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "moment": self.moment, "sources": self.sources,
+            "kubernetes_conn_id": self.kubernetes_conn_id, "scrape_timeout_s": self.scrape_timeout_s})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
+
+        delay = self.moment - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sources = [MetricsSource(**s) for s in self.sources]
+        try:
+            async with AsyncKubernetesHook(conn_id=self.kubernetes_conn_id).get_conn() as api:
+                loads = await scrape_roles(api, sources, self.scrape_timeout_s)
+            load = {role: v.as_dict() for role, v in loads.items()}
+        except Exception as exc:  # noqa: BLE001 - no cluster config etc.: decide without load
+            why = f"{type(exc).__name__}: {exc}"
+            load = {s.role: RoleLoad(error=why).as_dict() for s in sources}
+        yield TriggerEvent({"status": "tick", "at": time.time(), "load": load})
