@@ -55,7 +55,8 @@ def test_pod_spec_has_args_labels_deadline_and_only_secret_references() -> None:
     assert secret_env["OPENAI_API_KEY"]["name"] == "aibrix-batch-inference"
     assert secret_env["OPENAI_API_KEY_ORIGIN"]["name"] == "aibrix-batch-inference"
     literal = {e["name"] for e in c["env"] if "value" in e}
-    assert literal == {"PYTHONUNBUFFERED"}
+    # no secret as a literal: only the driver's own settings (metrics: tests/metrics/)
+    assert literal == {"PYTHONUNBUFFERED", "AIBRIX_DRIVER_METRICS_PORT", "AIBRIX_DRIVER_METRICS_ADDR"}
 
 
 def test_pod_manifest_is_valid_kubernetes_1_33() -> None:

@@ -38,6 +38,7 @@ S3_SECRET_KEYS = (
 # decides where it may go (the driver sends it only to OPENAI_API_KEY_ORIGIN); both optional:
 # an endpoint that needs no key needs no Secret.
 INFERENCE_SECRET_KEYS = (("OPENAI_API_KEY", True), ("OPENAI_API_KEY_ORIGIN", True))
+METRICS_PORT_NAME = "metrics"  # the container port a PodMonitor selects (monitoring/kubernetes/)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -66,6 +67,12 @@ class DriverPodSettings:
     # a little time after the deadline; the pod's own deadline only backs that up.
     deadline_grace_s: int = 600
     poll_interval_s: float = 2.0
+    # The driver serves /metrics here while it runs (0: not served); the pod declares the port and
+    # carries the prometheus.io/* annotations, so a PodMonitor or annotation-based scrape finds it.
+    metrics_port: int = 9400
+    # Where the driver pushes its final totals (a shard shorter than a scrape interval still
+    # counts); None: no push.
+    pushgateway_url: str | None = None
 
     def choose_namespace(self, requested: str | None) -> str:
         return _choose(
@@ -137,6 +144,7 @@ class DriverPod:
     active_deadline_seconds: int
     pod_security_context: dict[str, Any] = field(default_factory=dict)
     container_security_context: dict[str, Any] = field(default_factory=dict)
+    ports: list[dict[str, Any]] = field(default_factory=list)
 
     def manifest(self) -> dict[str, Any]:
         """The Pod this describes (what the API server receives, less the labels Airflow adds)."""
@@ -163,6 +171,7 @@ class DriverPod:
                         "command": list(self.command),
                         "args": list(self.args),
                         "env": list(self.env),
+                        **({"ports": [dict(p) for p in self.ports]} if self.ports else {}),
                         "resources": self.resources,
                         "securityContext": self.container_security_context,
                     }
@@ -211,6 +220,7 @@ def build_driver_pod(
             _secret_env(name, settings.inference_secret, name, optional)
             for name, optional in INFERENCE_SECRET_KEYS
         ]
+    env, ports, annotations = _metrics(settings, env)
     resources = {"requests": {"cpu": settings.cpu_request, "memory": settings.memory_request}}
     limits = {k: v for k, v in (("cpu", settings.cpu_limit), ("memory", settings.memory_limit)) if v}
     if limits:
@@ -227,7 +237,9 @@ def build_driver_pod(
         annotations={
             f"{LABEL_PREFIX}shard-uri": req.shard_uri,
             f"{LABEL_PREFIX}results-prefix": req.results_prefix,
+            **annotations,
         },
+        ports=ports,
         service_account=service_account,
         resources=resources,
         active_deadline_seconds=active_deadline_seconds(req.deadline, now, settings.deadline_grace_s),
@@ -244,6 +256,25 @@ def build_driver_pod(
             "capabilities": {"drop": ["ALL"]},
         },
     )
+
+
+def _metrics(
+    settings: DriverPodSettings, env: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
+    """The driver's metrics: served on the pod's IP (a pod is its own network namespace, so a fixed
+    port never collides) and declared for Prometheus; the Pushgateway's address if configured."""
+    ports: list[dict[str, Any]] = []
+    annotations: dict[str, str] = {}
+    if settings.metrics_port:
+        port = str(settings.metrics_port)
+        env = [*env, {"name": "AIBRIX_DRIVER_METRICS_PORT", "value": port},
+               {"name": "AIBRIX_DRIVER_METRICS_ADDR", "value": "0.0.0.0"}]
+        ports = [{"name": METRICS_PORT_NAME, "containerPort": settings.metrics_port, "protocol": "TCP"}]
+        annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": port,
+                       "prometheus.io/path": "/metrics"}
+    if settings.pushgateway_url:
+        env = [*env, {"name": "AIBRIX_PUSHGATEWAY_URL", "value": settings.pushgateway_url}]
+    return env, ports, annotations
 
 
 def driver_labels(batch_id: str, shard_index: int, attempt: int) -> dict[str, str]:

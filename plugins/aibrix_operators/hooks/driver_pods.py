@@ -20,6 +20,8 @@ Keys (all optional; defaults in ``DriverPodSettings``)::
     driver_startup_timeout_s = 300
     driver_deadline_grace_s = 600
     driver_poll_interval_s = 2
+    driver_metrics_port = 9400                   # /metrics in the pod (0: off); README "Metrics"
+    driver_pushgateway_url = http://pushgateway.monitoring:9091   # empty: no push
     dispatch_pool = aibrix_dispatch              # read when the DAG is parsed
 
 None of these is a DAG param: the image is the code that runs with the pod's identity, the
@@ -54,6 +56,8 @@ _KEYS = {
     "driver_startup_timeout_s": "startup_timeout_s",
     "driver_deadline_grace_s": "deadline_grace_s",
     "driver_poll_interval_s": "poll_interval_s",
+    "driver_metrics_port": "metrics_port",
+    "driver_pushgateway_url": "pushgateway_url",
 }
 DEFAULT_POOL = "default_pool"
 

@@ -41,6 +41,8 @@ class DriverPodOperator(KubernetesPodOperator):
             cmds=list(pod.command),
             arguments=list(pod.args),
             env_vars=[_env_var(e) for e in pod.env],
+            ports=[k8s.V1ContainerPort(name=p["name"], container_port=p["containerPort"],
+                                       protocol=p.get("protocol", "TCP")) for p in pod.ports],
             labels=dict(pod.labels),
             annotations=dict(pod.annotations),
             service_account_name=pod.service_account,
