@@ -1,4 +1,4 @@
-"""`promtool check metrics` on every exporter in the repo: driver, eval, router, scaling, kvcache."""
+"""`promtool check metrics` on every exporter in the repo: driver, eval, batch, router, scaling, kvcache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ from tests.metrics.conftest import check_metrics
 def _lint(promtool, text: str) -> None:
     result = check_metrics(promtool, text)
     assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+
+def test_batch_exposition(promtool):
+    from aibrix_operators.batch.metrics import BatchSnapshot, registry_for
+
+    snap = BatchSnapshot("batch_x", "in_progress", requests=10, completed=7, failed=1, shards=3,
+                         shards_done=2, created_at=1.7e9, deadline=1.7e9 + 86400)
+    text = generate_latest(registry_for(snap)).decode()
+    assert text.count("# TYPE aibrix_batch_") == 9  # every batch gauge is linted
+    _lint(promtool, text)
 
 
 def test_router_exposition(promtool):

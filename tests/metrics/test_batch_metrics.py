@@ -12,7 +12,6 @@ from prometheus_client import generate_latest
 from aibrix_operators.batch import metrics as batch_metrics
 from aibrix_operators.batch.metrics import BatchSnapshot, prune, publish, registry_for
 from tests.metrics.batch_run import allow, run_batch
-from tests.metrics.conftest import check_metrics
 
 
 def _scrape(url: str) -> str:
@@ -27,12 +26,11 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_batch_exposition_passes_promtool(promtool):
+def test_batch_exposition_holds_the_snapshot():
+    """(`promtool check metrics` on it: test_all_exporters_lint.py)"""
     snap = BatchSnapshot("batch_x", "in_progress", requests=10, completed=7, failed=1, shards=3,
                          shards_done=2, created_at=1.7e9, deadline=1.7e9 + 86400)
     text = generate_latest(registry_for(snap, now=1.7e9 + 5)).decode()
-    lint = check_metrics(promtool, text)
-    assert lint.returncode == 0 and lint.stdout.strip() == "", lint.stdout + lint.stderr
     assert 'aibrix_batch_phase{phase="in_progress"} 1.0' in text
     assert 'aibrix_batch_phase{phase="completed"} 0.0' in text
     assert "aibrix_batch_deadline_timestamp_seconds 1.7000864e+09" in text

@@ -7,9 +7,11 @@ import json
 import re
 import subprocess
 
+import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from aibrix_operators.batch.metrics import BatchSnapshot, registry_for
 from aibrix_operators.driver import metrics as driver_metrics
 from aibrix_operators.evaluation.history import Night
 from aibrix_operators.evaluation.metrics import exposition, night_registry
@@ -30,18 +32,48 @@ def test_alert_rules_check_and_unit_tests(promtool):
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
 
 
-def test_rule_unit_tests_fail_when_a_rule_is_wrong(promtool, tmp_path):
-    """The rule tests are not vacuous: a broken threshold makes them fail."""
+@pytest.mark.parametrize(("good", "broken", "alert"), [
+    ("> 0.05", "> 0.5", "AibrixBatchErrorRate"),
+    # a batch counted as stuck although drivers answer requests
+    ("unless on () (sum(rate(aibrix_driver_requests_total[15m])) > 0)", "", "AibrixBatchNoProgress"),
+    ("< time() - 600", "< time() - 6000", "AibrixBatchPastDeadline"),
+])
+def test_rule_unit_tests_fail_when_a_rule_is_wrong(promtool, tmp_path, good, broken, alert):
+    """The rule tests are not vacuous: a broken threshold or clause makes them fail."""
     rules = MON / "prometheus" / "rules"
-    (tmp_path / "aibrix.yml").write_text((rules / "aibrix.yml").read_text().replace("> 0.05", "> 0.5"))
+    text = (rules / "aibrix.yml").read_text()
+    assert good in text
+    (tmp_path / "aibrix.yml").write_text(text.replace(good, broken))
     (tmp_path / "aibrix_test.yml").write_text((rules / "aibrix_test.yml").read_text())
     tested = _run(str(promtool), "test", "rules", "aibrix_test.yml", cwd=tmp_path)
-    assert tested.returncode != 0 and "AibrixBatchErrorRate" in tested.stdout + tested.stderr
+    assert tested.returncode != 0 and alert in tested.stdout + tested.stderr
+
+
+def _dashboard() -> dict:
+    return json.loads((MON / "grafana" / "dashboards" / "aibrix-batch.json").read_text())
 
 
 def _dashboard_exprs() -> list[str]:
-    dash = json.loads((MON / "grafana" / "dashboards" / "aibrix-batch.json").read_text())
-    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return [t["expr"] for p in _dashboard()["panels"] for t in p["targets"]]
+
+
+def test_dashboard_covers_what_operators_watch():
+    """Batch progress, throughput, errors, replicas per role, KV hit rate, eval trend: each has a
+    panel querying the series that measure it."""
+    panels = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in _dashboard()["panels"]}
+    wanted = {
+        "batch progress": r"aibrix_batch_shards_done\b.*aibrix_batch_shards\b",
+        "batch status": r"aibrix_batch_phase",
+        "deadline": r"aibrix_batch_deadline_timestamp_seconds.*time\(\)",
+        "throughput": r"rate\(aibrix_driver_requests_total",
+        "errors": r'outcome="failed"',
+        "replicas per role": r"by \(role\).*replicas",
+        "KV hit rate": r"kvcache_lookup_hit_tokens_total.*/.*kvcache_lookup_tokens_total",
+        "eval trend": r"aibrix_eval_score\b",
+    }
+    missing = [what for what, pattern in wanted.items()
+               if not any(re.search(pattern, expr) for expr in panels.values())]
+    assert not missing, missing
 
 
 def test_dashboard_queries_parse(promtool, tmp_path):
@@ -58,6 +90,7 @@ def test_dashboard_queries_parse(promtool, tmp_path):
 def _defined_metric_names() -> set[str]:
     names = set()
     text = generate_latest(driver_metrics.REGISTRY).decode()
+    text += generate_latest(registry_for(BatchSnapshot("b", "in_progress", 1, 1, 0, 1, 1, 1.0, 2.0))).decode()
     reg = night_registry("s", "m", Night("2026-11-01", "m", 0.9, 0.8, 0.95, 10), [], 0.0)
     text += exposition(reg).decode()
     for name, kind in re.findall(r"^# TYPE (\w+) (\w+)", text, re.M):
