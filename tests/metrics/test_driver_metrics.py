@@ -3,7 +3,6 @@ and a real Prometheus scrapes a running batch and answers queries about it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from aibrix_operators.driver import metrics
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.storage import LocalStorage
+from tests.metrics.batch_run import allow, run_batch
 from tests.metrics.conftest import PROM_BIN, REPO, check_metrics
 
 
@@ -86,10 +86,15 @@ def _query(port: int, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
-def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_request, monkeypatch):
+def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_request, monkeypatch,
+                                                  pushgateway):
     """The project's scrape config (monitoring/prometheus/prometheus.yml), its driver target
-    pointed at this process's /metrics, a 1 s scrape interval; a batch of slow requests runs
-    while Prometheus scrapes; its HTTP API then holds the batch's series."""
+    pointed at this process's /metrics and its Pushgateway target at a real Pushgateway, a 1 s
+    scrape interval; a batch of slow requests runs through the DAG's operators (validate, split,
+    dispatch × 3, merge) while Prometheus scrapes; its HTTP API then holds the drivers' series and
+    the batch's own gauges."""
+    monkeypatch.setenv("AIBRIX_PUSHGATEWAY_URL", pushgateway)
+    allow(monkeypatch, tmp_path, fault_server.url)
     metrics_port, prom_port = _free_port(), _free_port()
     monkeypatch.setenv("AIBRIX_DRIVER_METRICS_PORT", str(metrics_port))
     bound = metrics.serve_from_env()  # once per process: an earlier server's port if one runs
@@ -100,7 +105,7 @@ def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_re
                                                        "labels": {"deployment": "test"}}]))
     config = (REPO / "monitoring" / "prometheus" / "prometheus.yml").read_text()
     config = config.replace("scrape_interval: 15s", "scrape_interval: 1s").replace(
-        "/etc/prometheus/targets", str(targets))
+        "/etc/prometheus/targets", str(targets)).replace("pushgateway:9091", pushgateway.split("//")[1])
     (tmp_path / "prometheus.yml").write_text(config)
     check = subprocess.run([str(PROM_BIN / "promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
                            capture_output=True, text=True, timeout=30)
@@ -124,9 +129,8 @@ def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_re
             time.sleep(0.3)
         before = _query(prom_port, 'sum(aibrix_driver_requests_total{outcome="completed"})')
         records = [make_request(f"slow-{i}", "slow:0.1") for i in range(120)]  # ~3 s at concurrency 4
-        outcome = asyncio.run(run_shard(LocalStorage(), _shard(tmp_path, records), str(tmp_path / "res"),
-                                        _config(fault_server)))
-        assert outcome.completed == 120
+        batch = run_batch(tmp_path, fault_server.url, records, per_shard=40)
+        assert batch["request_counts"] == {"total": 120, "completed": 120, "failed": 0}
         start = float(before[0]["value"][1]) if before else 0.0
         deadline = time.monotonic() + 20
         while True:  # the scrape after the shard ended holds its final totals
@@ -142,6 +146,22 @@ def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_re
         # the in-flight gauge was seen above zero while the batch ran
         peak = _query(prom_port, "max_over_time(aibrix_driver_requests_in_flight[1m])")
         assert float(peak[0]["value"][1]) >= 1
+        # the batch's gauges, pushed by its tasks, scraped from the Pushgateway (honor_labels)
+        ours = f'job="aibrix_batch",batch_id="{batch["id"]}"'
+        deadline = time.monotonic() + 20
+        while not _query(prom_port, f'aibrix_batch_phase{{{ours},phase="completed"}} == 1'):
+            assert time.monotonic() < deadline, "the batch's final status never reached Prometheus"
+            time.sleep(0.5)
+        for name, want in (("aibrix_batch_requests", 120), ("aibrix_batch_requests_completed", 120),
+                           ("aibrix_batch_requests_failed", 0), ("aibrix_batch_shards", 3),
+                           ("aibrix_batch_shards_done", 3)):
+            got = _query(prom_port, f"{name}{{{ours}}}")
+            assert len(got) == 1 and float(got[0]["value"][1]) == want, (name, got)
+        left = _query(prom_port, f"aibrix_batch_deadline_timestamp_seconds{{{ours}}} - time()")
+        assert 23 * 3600 < float(left[0]["value"][1]) <= 24 * 3600  # the 24 h window, just started
+        # it was seen in progress while the shards ran (the phase series before merge's push)
+        seen = _query(prom_port, f'max_over_time(aibrix_batch_phase{{{ours},phase="in_progress"}}[1m])')
+        assert float(seen[0]["value"][1]) == 1
     finally:
         prom.terminate()
         prom.wait(timeout=20)
