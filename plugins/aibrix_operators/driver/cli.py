@@ -17,6 +17,10 @@ environment:
                           Kubernetes Secret; it is never a flag.
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION
                           credentials and endpoint for s3:// URIs (boto3's usual variables).
+  AIBRIX_DRIVER_METRICS_PORT, AIBRIX_DRIVER_METRICS_ADDR
+                          serve Prometheus /metrics there while the shard runs (address
+                          default 127.0.0.1; a driver pod sets 0.0.0.0 and declares the port)
+  AIBRIX_PUSHGATEWAY_URL  push the final totals there when the shard ends
 
 exit codes:
   0   every request answered successfully
