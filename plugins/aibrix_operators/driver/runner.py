@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
 from aibrix_operators.batch.records import (
     CANCELLED_CODE,
@@ -46,6 +47,7 @@ from aibrix_operators.driver.retry import (
     is_retryable_status,
     parse_retry_after,
 )
+from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate, prefix_hashes
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -97,10 +99,15 @@ async def run_shard(
     config: DriverConfig,
     total: int | None = None,
     name: str | None = None,
+    warm_up: bool | None = None,
+    warmup_wait_s: float = DEFAULT_WAIT_S,
 ) -> ShardOutcome:
     """Answer every request of the shard exactly once in the result log under ``results_prefix``.
 
-    Requests already in the log (from an interrupted earlier run) are skipped.
+    Requests already in the log (from an interrupted earlier run) are skipped. ``warm_up``
+    holds each prefix group's followers until its first request is answered (at most
+    ``warmup_wait_s``; driver/warmup.py); None turns it on for a shard split in prefix order
+    (one with a ``.lines`` file).
     """
     name = name or shard_uri.rsplit("/", 1)[-1]
     started = time.monotonic()
@@ -115,6 +122,8 @@ async def run_shard(
         storage, results_prefix, fingerprint.binding, config.flush_interval_s, config.flush_every
     )
     done, done_failed = await asyncio.to_thread(result_log.scan)
+    if warm_up is None:
+        warm_up = await asyncio.to_thread(storage.exists, lines_uri(shard_uri))
     outcome = ShardOutcome(shard=name, total=total, resumed=len(done), resumed_failed=done_failed,
                            attempt_id=result_log.attempt_id)
     if done:
@@ -131,7 +140,15 @@ async def run_shard(
     try:
         cancel = CancelWatch(storage, config.cancel_uri, config.cancel_poll_s)
         with storage.open_read(shard_uri) as src:
-            await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome, cancel)
+            if warm_up:
+                gate = WarmupGate(_pending_with_prefixes(src, done), warmup_wait_s)
+                await _send_all(gate, config, counters, writer, progress, outcome, cancel)
+                log.info("%s: prefix warm-up held %d requests behind their group's first answer "
+                         "(%d groups released by the %.0f s bound)", name, gate.held, gate.timed_out,
+                         warmup_wait_s)  # fmt: skip
+            else:
+                await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome,
+                                cancel)  # fmt: skip
     finally:
         outcome.completed = counters.completed
         outcome.failed = counters.failed
@@ -146,7 +163,7 @@ async def run_shard(
 
 
 async def _send_all(
-    requests: Iterator[dict[str, Any]],
+    requests: Iterator[dict[str, Any]] | WarmupGate,
     config: DriverConfig,
     counters: _Counters,
     writer: CheckpointWriter,
@@ -180,8 +197,9 @@ async def _send_all(
                 report_task = tg.create_task(
                     progress.run(lambda: (counters.completed, counters.failed))
                 )
+                work = _gated_worker if isinstance(requests, WarmupGate) else _worker
                 workers = [
-                    tg.create_task(_worker(requests, sender, writer, counters))
+                    tg.create_task(work(requests, sender, writer, counters))  # type: ignore[arg-type]
                     for _ in range(config.concurrency)
                 ]
                 await asyncio.wait(workers)
@@ -248,6 +266,48 @@ async def _worker(
         try:
             data = dumps(line)
         except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
+            line = error_record(record["custom_id"], "invalid_response_body",
+                                f"the server's answer cannot be stored as JSON: {exc}")
+            data = dumps(line)
+        if line["error"] is None:
+            counters.completed += 1
+        else:
+            counters.failed += 1
+        result_log.append(data)
+
+
+def _pending_with_prefixes(src: Any, done: set[str]) -> Iterator[tuple[dict[str, Any], tuple[int, ...]]]:
+    for raw in src:
+        if not raw.strip():
+            continue
+        record = loads(raw)
+        if record["custom_id"] not in done:
+            yield record, prefix_hashes(raw)
+
+
+async def _gated_worker(
+    gate: WarmupGate,
+    sender: _Sender,
+    writer: CheckpointWriter,
+    counters: _Counters,
+) -> None:
+    """``_worker`` for a grouped shard: requests come from the warm-up gate, and a group's
+    first answer releases the rest of the group (kept apart so ``_worker`` stays as it is)."""
+    result_log = writer.log
+    limit = writer.max_unflushed
+    clock, observe = time.monotonic, counters.latency.observe
+    while (item := await gate.next()) is not None:
+        record, leader = item
+        if result_log.buffered() >= limit:
+            await writer.wait_for_room()
+        counters.started += 1
+        sent = clock()
+        line = await sender.send(record)
+        observe(clock() - sent)
+        gate.answered(leader)
+        try:
+            data = dumps(line)
+        except TypeError as exc:
             line = error_record(record["custom_id"], "invalid_response_body",
                                 f"the server's answer cannot be stored as JSON: {exc}")
             data = dumps(line)
