@@ -33,10 +33,11 @@ class FakeCluster:
       ``cluster.wait_for(fn, timeout)``.
     """
 
-    def __init__(self, workdir: Path, images: dict[str, Image], *, kubelet: bool = True) -> None:
+    def __init__(self, workdir: Path, images: dict[str, Image], *, kubelet: bool = True,
+                 api: ApiServerDouble | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.api = ApiServerDouble()
+        self.api = api or ApiServerDouble()  # a subclass adds what a suite needs (e.g. scale)
         self.store = self.api.store
         self.kubelet = FakeKubelet(self.store, images, workdir=self.workdir) if kubelet else None
         if self.kubelet:

@@ -109,9 +109,7 @@ class ScalingCluster(FakeCluster):
     """A ``FakeCluster`` without a kubelet, serving ``ScalingApiDouble``."""
 
     def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir, images={}, kubelet=False)
-        self.api = ScalingApiDouble()
-        self.store = self.api.store
+        super().__init__(workdir, images={}, kubelet=False, api=ScalingApiDouble())
 
     def add(self, plural_prefix: str, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
         return self.store.create(plural_prefix, namespace, json.loads(json.dumps(obj)))

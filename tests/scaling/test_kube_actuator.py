@@ -152,3 +152,93 @@ async def test_async_ready_replicas_with_retry(scaling_cluster: ScalingCluster) 
         scaling_cluster.api.fail("GET", r"/statefulsets/decode$", 403)
         with pytest.raises(ScalingError, match="forbidden"):
             await ready_replicas_async(api, ScaleTarget("decode", "StatefulSet", "decode", NS))
+
+
+PODGROUPS = "/apis/scheduling.x-k8s.io/v1alpha1/podgroups"
+
+
+def plain_overlay_into(cluster: ScalingCluster) -> None:
+    """The plain overlay's own StatefulSets and PodGroups (rendered with the pinned kubectl)."""
+    from tests.unit.test_k8s_manifests import render
+
+    for doc in render("plain"):
+        if doc["kind"] == "StatefulSet":  # as the API server returns it before the controller acts
+            cluster.add(STATEFULSETS, NS, {**doc, "status": {"replicas": 0, "availableReplicas": 0}})
+        elif doc["kind"] == "PodGroup":
+            cluster.add(PODGROUPS, NS, doc)
+
+
+def set_ready(cluster: ScalingCluster, name: str, ready: int) -> None:
+    """What the StatefulSet controller reports: its pods, and how many of them are Ready."""
+    def change(o):
+        o["status"] = {**o["status"], "replicas": o["spec"]["replicas"], "readyReplicas": ready}
+        return o
+
+    cluster.store.update(STATEFULSETS, NS, name, change)
+
+
+def group_replicas(cluster: ScalingCluster, role: str) -> list[int]:
+    return [cluster.get(STATEFULSETS, NS, f"{role}-g{i}")["spec"]["replicas"] for i in range(4)]
+
+
+def test_plain_overlay_scales_by_whole_groups(scaling_cluster: ScalingCluster) -> None:
+    plain_overlay_into(scaling_cluster)
+    s = scaler(scaling_cluster)
+    decode = ScaleTarget("decode", "StatefulSetGroups", "decode", NS, group_size=2)
+    assert s.replicas(decode) == RoleReplicas(2, 0)
+    set_ready(scaling_cluster, "decode-g0", 2)
+    assert s.replicas(decode) == RoleReplicas(2, 2)
+
+    assert s.scale(decode, 6) == 2  # g1 and g2 switched on, through their scale subresource
+    assert group_replicas(scaling_cluster, "decode") == [2, 2, 2, 0]
+    assert group_replicas(scaling_cluster, "prefill") == [2, 0, 0, 0]  # the other role untouched
+    set_ready(scaling_cluster, "decode-g1", 1)  # one rank short: serves nothing
+    assert s.replicas(decode) == RoleReplicas(6, 2)
+    patches = [p for m, p in scaling_cluster.store.requests if m == "PATCH"]
+    assert patches == [f"/apis/apps/v1/namespaces/{NS}/statefulsets/decode-g{i}/scale" for i in (1, 2)]
+
+    assert s.scale(decode, 2) == 6  # highest groups off first; g0 stays
+    assert group_replicas(scaling_cluster, "decode") == [2, 0, 0, 0]
+    assert s.scale(decode, 0) == 2
+    assert group_replicas(scaling_cluster, "decode") == [0, 0, 0, 0]
+    assert s.scale(decode, 8) == 0
+    assert group_replicas(scaling_cluster, "decode") == [2, 2, 2, 2]
+
+
+def test_plain_overlay_refuses_what_would_break_a_gang(scaling_cluster: ScalingCluster) -> None:
+    plain_overlay_into(scaling_cluster)
+    s = scaler(scaling_cluster)
+    prefill = ScaleTarget("prefill", "StatefulSetGroups", "prefill", NS, group_size=2)
+    with pytest.raises(ScalingError, match="not whole groups of 2"):
+        s.scale(prefill, 3)
+    with pytest.raises(ScalingError, match="need 5 groups, the namespace declares 4"):
+        s.scale(prefill, 10)
+    # The policy's gang_size disagrees with the overlay's PodGroups: nothing is switched on.
+    wrong = ScaleTarget("prefill", "StatefulSetGroups", "prefill", NS, group_size=4)
+    with pytest.raises(ScalingError, match="has 2 replicas: a prefill group is 0 or 4 pods"):
+        s.scale(wrong, 8)
+
+    def min_member(o):
+        o["spec"]["minMember"] = 4
+        return o
+
+    scaling_cluster.store.update(PODGROUPS, NS, "prefill-g1", min_member)
+    with pytest.raises(ScalingError, match="podgroup/prefill-g1 minMember 4 != the prefill group size 2"):
+        s.scale(prefill, 4)
+    scaling_cluster.store.remove(PODGROUPS, NS, "prefill-g1")
+    with pytest.raises(ScalingError, match="no PodGroup 'prefill-g1'"):
+        s.scale(prefill, 4)
+    assert group_replicas(scaling_cluster, "prefill") == [2, 0, 0, 0]
+    with pytest.raises(ScalingError, match="no StatefulSets router-g<N>"):
+        s.replicas(ScaleTarget("router", "StatefulSetGroups", "router", NS))
+
+
+async def test_async_ready_replicas_of_groups(scaling_cluster: ScalingCluster) -> None:
+    from kubernetes_asyncio import config
+
+    plain_overlay_into(scaling_cluster)
+    set_ready(scaling_cluster, "prefill-g0", 2)
+    api = await config.new_client_from_config(config_file=str(scaling_cluster.kubeconfig))
+    async with api:
+        target = ScaleTarget("prefill", "StatefulSetGroups", "prefill", NS, group_size=2)
+        assert await ready_replicas_async(api, target) == RoleReplicas(2, 2)

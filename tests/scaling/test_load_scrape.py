@@ -6,6 +6,7 @@ running / waiting / KV usage to the policy."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +114,26 @@ def test_autoscale_feeds_the_scraped_load_to_the_policy(configured: ScalingClust
         op.tick(ctx, event={"status": "tick", "load": calm}, state={})
     d = ti.xcom[DECISIONS_KEY]["decode"][-1]
     assert not d["saturated"] and d["reason"] == "scale_down" and d["desired_replicas"] == 2
+
+
+async def test_tensor_parallel_groups_are_read_at_rank_0(configured: ScalingCluster,  # noqa: F811
+                                                         servers: MetricsServers) -> None:
+    """Plain overlay roles: only a group's rank 0 serves HTTP; the headless ranks (no server)
+    are neither scraped nor counted unreachable. The settings come from the config parser."""
+    from aibrix_operators.scaling.config import parse_roles
+
+    roles = parse_roles({"decode": {"kind": "StatefulSetGroups", "name": "decode", "min_replicas": 0,
+                                    "max_replicas": 8, "gang_size": 2, "nominal_tokens_per_s": 10}}, NS)
+    rs = roles["decode"]
+    assert (rs.target.kind, rs.target.group_size, rs.metrics.rank0_only) == ("StatefulSetGroups", 2, True)
+    closed = socket.socket()  # a port nobody listens on: what a headless rank's :8000 is
+    closed.bind(("127.0.0.1", 0))
+    headless = closed.getsockname()[1]
+    closed.close()
+    for g, (running, waiting) in enumerate([(2, 1), (5, 0)]):
+        add_pod(configured.store, NS, role_pod(f"decode-g{g}-0", "decode", servers.serve(
+            vllm_metrics(running, waiting, 0.4))))
+        add_pod(configured.store, NS, role_pod(f"decode-g{g}-1", "decode", headless))
+    payload = await fire(AutoscaleTickTrigger(0, [rs.metrics.__dict__], "k8s_scaling"))
+    load = RoleLoad.from_dict(payload["load"]["decode"])
+    assert (load.pods, load.unreachable, load.running, load.waiting) == (2, 0, 7.0, 1.0)

@@ -157,14 +157,22 @@ def test_plain_overlay_gangs_each_tensor_parallel_group() -> None:
     for sts in sets:
         labels = sts["spec"]["template"]["metadata"]["labels"]
         group = groups[labels["scheduling.x-k8s.io/pod-group"]]
-        # The gang is exactly the group's ranks; they start together (Parallel).
-        assert group["spec"]["minMember"] == sts["spec"]["replicas"]
+        assert group["metadata"]["name"] == sts["metadata"]["name"]  # the name the autoscaler checks
+        assert sts["spec"]["selector"]["matchLabels"]["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
+        env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        # The gang is exactly the group's ranks; they start together (Parallel). A group is
+        # on (all its ranks) or off (0): the autoscaler switches whole groups.
+        assert group["spec"]["minMember"] == int(env["GROUP_SIZE"])
+        assert sts["spec"]["replicas"] in (0, int(env["GROUP_SIZE"]))
         assert sts["spec"]["podManagementPolicy"] == "Parallel"
         assert sts["spec"]["serviceName"] == "vllm-pods"
         assert sts["spec"]["template"]["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
-        env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert int(env["GROUP_SIZE"]) == sts["spec"]["replicas"]
     assert len(groups) == len(sets)
+    # Each role: g0 on, spare groups g1..g3 off, named <role>-g<N> (StatefulSetGroups).
+    for role in ("prefill", "decode"):
+        on = {s["metadata"]["name"]: s["spec"]["replicas"] > 0 for s in sets
+              if s["metadata"]["labels"]["app.kubernetes.io/component"] == role}
+        assert on == {f"{role}-g0": True, f"{role}-g1": False, f"{role}-g2": False, f"{role}-g3": False}
 
 
 def test_aibrix_roles_and_one_autoscaler_per_role() -> None:
@@ -338,6 +346,10 @@ def test_rbac_is_least_privilege_in_one_namespace(overlay: str) -> None:
         overlay, "aibrix-batch-scaling", "orchestration.aibrix.ai", "stormservices", "patch", "llm"
     )
     assert not _allowed(overlay, "aibrix-batch-scaling", "", "pods", "create")
+    assert _allowed(overlay, "aibrix-batch-scaling", "", "pods", "list")  # whose /metrics to read
+    assert _allowed(overlay, "aibrix-batch-scaling", "scheduling.x-k8s.io", "podgroups", "get") == (
+        overlay == "plain")
+    assert not _allowed(overlay, "aibrix-batch-scaling", "apps", "statefulsets", "create")
     # The driver pods get no API token at all.
     [driver] = [
         d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "aibrix-batch-driver"

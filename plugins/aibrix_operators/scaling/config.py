@@ -15,6 +15,11 @@ the labels of both overlays) and ``metrics_port`` (a container port name or numb
 default ``http``) say where the role's vLLM ``/metrics`` are scraped.
 A role named ``prefill`` gets prefill's defaults (prompt tokens, fast up); any other
 role gets decode's (output tokens, conservative).
+
+The plain overlay's roles are ``{"kind": "StatefulSetGroups", "name": "prefill", ...}``:
+the StatefulSets ``prefill-g0`` .. ``prefill-g3`` (one per tensor-parallel group, with
+its PodGroup), switched on and off whole; ``gang_size`` must be the groups' size
+(``GROUP_SIZE``, PodGroup ``minMember``) and ``max_replicas`` at most groups x size.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def parse_roles(text_or_dict: str | Mapping[str, Any] | None, namespace: str) ->
             policy=policy,
             metrics=MetricsSource(role, target.namespace,
                                   spec.get("pod_selector") or MetricsSource.default_selector(role),
-                                  int(port) if str(port).isdigit() else str(port)),
+                                  int(port) if str(port).isdigit() else str(port),
+                                  rank0_only=policy.gang_size > 1),
             idle_replicas=int(spec.get("idle_replicas", 0)),
         )
     return out

@@ -1,10 +1,19 @@
 """Read and set a serving role's replicas through the Kubernetes API (the hook-like layer).
 
-Two shapes of role, both named by a ``ScaleTarget``:
+Three shapes of role, each named by a ``ScaleTarget``:
 
-* a workload per role (``Deployment`` / ``StatefulSet``, the plain overlay): replicas
-  through the ``scale`` subresource (RBAC: ``patch`` on ``deployments/scale``), ready
-  replicas from the workload's status (``get`` on the workload);
+* a workload per role (``Deployment`` / ``StatefulSet``): replicas through the ``scale``
+  subresource (RBAC: ``patch`` on ``deployments/scale``), ready replicas from the
+  workload's status (``get`` on the workload);
+* ``StatefulSetGroups`` (the plain overlay): the role is a set of tensor-parallel
+  groups, one StatefulSet ``<name>-g<N>`` and one PodGroup of the same name per group.
+  A group is on (``group_size`` replicas: all its ranks) or off (0), never in between;
+  the role scales by switching whole groups on (lowest index first) or off (highest
+  first) through each StatefulSet's ``scale`` subresource, so the actuator needs no right
+  to create workloads: the overlay declares the spare groups at 0. Before a group is
+  switched on its PodGroup's ``minMember`` must equal ``group_size`` (a gang of another
+  size would place part of a group, or never place it). Ready replicas count whole
+  ready groups only: a group missing a rank serves nothing;
 * a ``StormService`` role (the AIBrix overlay): ``spec.template.spec.roles[i].replicas``.
   A JSON merge patch replaces a list whole, so the actuator reads the object, changes
   its role's entry, and patches the whole ``roles`` list *with the resourceVersion it
@@ -21,6 +30,7 @@ uses ``kubernetes_asyncio`` (the trigger). Neither imports Airflow.
 from __future__ import annotations
 
 import copy
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -29,10 +39,12 @@ from typing import Any, Literal
 STORM_GROUP = "orchestration.aibrix.ai"
 STORM_VERSION = "v1alpha1"
 STORM_PLURAL = "stormservices"
+PODGROUP_GROUP, PODGROUP_VERSION, PODGROUP_PLURAL = "scheduling.x-k8s.io", "v1alpha1", "podgroups"
 MERGE_PATCH = "application/merge-patch+json"
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
 
-Kind = Literal["Deployment", "StatefulSet", "StormService"]
+Kind = Literal["Deployment", "StatefulSet", "StormService", "StatefulSetGroups"]
+KINDS = ("Deployment", "StatefulSet", "StormService", "StatefulSetGroups")
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,10 @@ class ScaleTarget:
     group_size: int = 1  # the role's podGroupSize (pods per gang)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("Deployment", "StatefulSet", "StormService"):
-            raise ValueError(f"role {self.role}: kind must be Deployment, StatefulSet or StormService")
+        if self.kind not in KINDS:
+            raise ValueError(f"role {self.role}: kind must be one of {', '.join(KINDS)}")
+        if self.group_size < 1:
+            raise ValueError(f"role {self.role}: group_size must be >= 1")
 
     @classmethod
     def from_dict(cls, role: str, data: Mapping[str, Any], namespace: str,
@@ -56,6 +70,8 @@ class ScaleTarget:
                    namespace=data.get("namespace") or namespace, group_size=group_size)
 
     def describe(self) -> str:
+        if self.kind == "StatefulSetGroups":
+            return f"statefulsets {self.name}-g<N> (role {self.role})"
         where = f"{self.kind.lower()}/{self.name}"
         return f"{where} role {self.role}" if self.kind == "StormService" else where
 
@@ -82,8 +98,9 @@ def _status_of(exc: BaseException) -> int | None:
 def _explain(target: ScaleTarget, verb: str, exc: BaseException) -> ScalingError:
     status = _status_of(exc)
     if status == 403:
+        kind = "statefulset" if target.kind == "StatefulSetGroups" else target.kind.lower()
         resource = (f"{STORM_PLURAL}.{STORM_GROUP}" if target.kind == "StormService"
-                    else f"{target.kind.lower()}s" + ("/scale" if verb == "patch" else ""))
+                    else f"{kind}s" + ("/scale" if verb == "patch" else ""))
         return ScalingError(
             f"forbidden: the scaling identity may not {verb} {resource} {target.name!r} in namespace "
             f"{target.namespace!r}; grant it in the namespace's Role (see k8s/ RBAC)", status)
@@ -120,6 +137,53 @@ def storm_role_patch(obj: Mapping[str, Any], target: ScaleTarget, replicas: int)
             "spec": {"template": {"spec": {"roles": roles}}}}
 
 
+def role_groups(items: list[dict[str, Any]], target: ScaleTarget) -> list[tuple[int, dict[str, Any]]]:
+    """The role's group StatefulSets (``<name>-g<N>``, as dicts), by index; each must be
+    off (0) or whole (``group_size``): anything else is a hand edit to fix first."""
+    pattern = re.compile(rf"^{re.escape(target.name)}-g(\d+)$")
+    groups = sorted((int(m[1]), o) for o in items if (m := pattern.match(o["metadata"]["name"])))
+    if not groups:
+        raise ScalingError(f"no StatefulSets {target.name}-g<N> in namespace {target.namespace!r} "
+                           f"(role {target.role})", 404)
+    for _, sts in groups:
+        n = int((sts.get("spec") or {}).get("replicas") or 0)
+        if n not in (0, target.group_size):
+            raise ScalingError(
+                f"statefulset/{sts['metadata']['name']} has {n} replicas: a {target.role} group is 0 or "
+                f"{target.group_size} pods (its ranks); set it back to one of those", 422)
+    return groups
+
+
+def groups_replicas(groups: list[tuple[int, dict[str, Any]]]) -> RoleReplicas:
+    spec = ready = 0
+    for _, sts in groups:
+        n = int((sts.get("spec") or {}).get("replicas") or 0)
+        spec += n
+        if n and int((sts.get("status") or {}).get("readyReplicas") or 0) >= n:
+            ready += n
+    return RoleReplicas(spec, ready)
+
+
+def group_switches(groups: list[tuple[int, dict[str, Any]]], target: ScaleTarget,
+                   replicas: int) -> tuple[list[str], list[str]]:
+    """(groups to switch on, groups to switch off) to reach ``replicas``."""
+    if replicas % target.group_size:
+        raise ScalingError(f"{target.describe()}: {replicas} replicas is not whole groups of "
+                           f"{target.group_size}", 422)
+    want = replicas // target.group_size
+    if want > len(groups):
+        names = [o["metadata"]["name"] for _, o in groups]
+        raise ScalingError(
+            f"{target.describe()}: {replicas} replicas need {want} groups, the namespace declares "
+            f"{len(groups)} ({', '.join(names)}); declare more groups (k8s/overlays/plain) or "
+            "lower max_replicas", 422)
+    on = [o["metadata"]["name"] for _, o in groups if (o.get("spec") or {}).get("replicas")]
+    off = [o["metadata"]["name"] for _, o in groups if not (o.get("spec") or {}).get("replicas")]
+    if want >= len(on):
+        return off[: want - len(on)], []
+    return [], on[want:]
+
+
 class RoleScaler:
     """Sync actuator over a ``kubernetes.client.ApiClient`` (e.g. ``KubernetesHook().api_client``)."""
 
@@ -148,8 +212,30 @@ class RoleScaler:
                 self.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
+    def _groups(self, target: ScaleTarget) -> list[tuple[int, dict[str, Any]]]:
+        listed = self._call(target, "list", lambda: self.apps.list_namespaced_stateful_set(target.namespace))
+        return role_groups(self.apps.api_client.sanitize_for_serialization(listed)["items"], target)
+
+    def _check_gang(self, target: ScaleTarget, group: str) -> None:
+        """The group's PodGroup gangs exactly ``group_size`` pods (else switching it on would
+        place part of a group, or never place it)."""
+        try:
+            pg = self._call(target, "get", lambda: self.custom.get_namespaced_custom_object(
+                PODGROUP_GROUP, PODGROUP_VERSION, target.namespace, PODGROUP_PLURAL, group))
+        except ScalingError as exc:
+            if exc.status == 404:
+                raise ScalingError(f"statefulset/{group} has no PodGroup {group!r}: its ranks would not be "
+                                   "gang-scheduled; apply the overlay's PodGroups", 404) from exc
+            raise
+        min_member = int((pg.get("spec") or {}).get("minMember") or 0)
+        if min_member != target.group_size:
+            raise ScalingError(f"podgroup/{group} minMember {min_member} != the {target.role} group size "
+                               f"{target.group_size} (gang_size in [aibrix_scaling] roles)", 422)
+
     def replicas(self, target: ScaleTarget) -> RoleReplicas:
         ns, name = target.namespace, target.name
+        if target.kind == "StatefulSetGroups":
+            return groups_replicas(self._groups(target))
         if target.kind == "StormService":
             obj = self._call(target, "get", lambda: self.custom.get_namespaced_custom_object(
                 STORM_GROUP, STORM_VERSION, ns, STORM_PLURAL, name))
@@ -164,6 +250,16 @@ class RoleScaler:
         from kubernetes.client.exceptions import ApiException
 
         ns, name = target.namespace, target.name
+        if target.kind == "StatefulSetGroups":
+            groups = self._groups(target)
+            switch_on, switch_off = group_switches(groups, target, replicas)
+            for group in switch_on:
+                self._check_gang(target, group)
+            patch_scale = self.apps.patch_namespaced_stateful_set_scale
+            for group, n in [(g, target.group_size) for g in switch_on] + [(g, 0) for g in switch_off]:
+                self._call(target, "patch", lambda group=group, n=n: patch_scale(
+                    group, ns, {"spec": {"replicas": n}}, _content_type=MERGE_PATCH))
+            return groups_replicas(groups).spec
         if target.kind != "StormService":
             if target.kind == "Deployment":
                 read = self.apps.read_namespaced_deployment_scale
@@ -207,6 +303,10 @@ async def ready_replicas_async(api_client: Any, target: ScaleTarget, attempts: i
     ns, name = target.namespace, target.name
     for attempt in range(1, attempts + 1):
         try:
+            if target.kind == "StatefulSetGroups":
+                listed = await client.AppsV1Api(api_client).list_namespaced_stateful_set(ns)
+                items = api_client.sanitize_for_serialization(listed)["items"]
+                return groups_replicas(role_groups(items, target))
             if target.kind == "StormService":
                 obj = await client.CustomObjectsApi(api_client).get_namespaced_custom_object(
                     STORM_GROUP, STORM_VERSION, ns, STORM_PLURAL, name)

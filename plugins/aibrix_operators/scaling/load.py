@@ -39,6 +39,9 @@ class MetricsSource:
     selector: str  # e.g. app.kubernetes.io/name=vllm,app.kubernetes.io/component=decode
     port: str | int = DEFAULT_PORT  # container port name, or number
     path: str = "/metrics"
+    # Tensor-parallel groups: only rank 0 (the pod named <group>-0) serves HTTP; the
+    # headless ranks have no /metrics and are not "unreachable".
+    rank0_only: bool = False
 
     @staticmethod
     def default_selector(role: str) -> str:
@@ -114,7 +117,8 @@ async def scrape_role(api_client: Any, session: Any, source: MetricsSource,
         why = ("forbidden: grant list on pods in the scaling Role" if exc.status == 403
                else f"HTTP {exc.status} {exc.reason}")
         return RoleLoad(error=f"list pods {source.selector!r} in {source.namespace!r}: {why}")
-    urls = [pod_metrics_url(p, source) for p in pods.items if _ready(p)]
+    urls = [pod_metrics_url(p, source) for p in pods.items if _ready(p)
+            and (not source.rank0_only or p.metadata.name.rsplit("-", 1)[-1] == "0")]
 
     async def fetch(url: str | None) -> str | None:
         if url is None:
