@@ -154,6 +154,8 @@ def test_respects_the_stabilization_window(data: st.DataObject, steps: list[tupl
             if d.desired_replicas > p.to_gang(current) and d.reason != DEADLINE_INFEASIBLE:
                 assert d.desired_replicas <= max(min(up_window), p.to_gang(d.deadline_replicas)), d
         current, hist = d.desired_replicas, d.state
+        # Bounded state (it rides in the deferral's kwargs): two entries per replica count at most.
+        assert len(hist.recommendations) <= 2 * (p.max_replicas // p.gang_size + 1)
 
 
 def decode_policy(**kw: object) -> RolePolicy:

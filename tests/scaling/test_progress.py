@@ -61,3 +61,28 @@ def test_tracker_reads_new_segments_only_and_confirms_done(tmp_path: Path) -> No
     log.flush()
     p = resumed.poll()
     assert p.done and p.remaining(sample_profile(storage, shard.uri)).requests == 0
+
+
+def test_tracker_cursor_stays_one_number_per_attempt(tmp_path: Path) -> None:
+    """The cursor rides in the deferral's kwargs at every tick: however many segments an
+    attempt writes, it keeps one number per attempt, and reads each segment once."""
+    storage = LocalStorage()
+    work = str(tmp_path / "work")
+    shard_file = tmp_path / "shard-00000.jsonl"
+    shard_file.write_bytes(b"\n".join(_request(i) for i in range(60)) + b"\n")
+    shard = ShardSpec(0, str(shard_file), 1, 60, shard_file.stat().st_size)
+    binding = fingerprint_shard(storage, shard.uri).binding
+    tracker = ProgressTracker(storage, work, [shard])
+    for attempt in range(2):  # a first attempt and its retry, 30 one-answer segments each
+        log = ResultLog(storage, results_prefix(work, shard.name), binding)
+        for i in range(attempt * 30, attempt * 30 + 30):
+            log.append(_answer(i))
+            log.flush()
+            if i % 7 == 0:
+                tracker = ProgressTracker(storage, work, [shard], json.loads(json.dumps(tracker.state())))
+                tracker.poll()
+    p = tracker.poll()
+    assert (p.answered, p.prompt_tokens, p.done) == (60, 60 * 120, True)
+    [cursor] = tracker.state()["shards"].values()
+    assert len(cursor["seen"]) == 2 and sorted(cursor["seen"].values()) == [30, 30]
+    assert len(json.dumps(tracker.state())) < 400

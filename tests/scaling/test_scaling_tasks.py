@@ -231,3 +231,28 @@ def test_local_mode_touches_nothing(configured: ScalingCluster, tmp_path: Path) 
     with pytest.raises(AirflowSkipException):
         ScaleDownOperator(task_id="s", execution_mode="local").execute({})
     assert len(configured.store.requests) == n  # no API call at all
+
+
+def test_autoscale_state_in_the_deferral_stays_bounded(configured: ScalingCluster, tmp_path: Path) -> None:
+    """Tick after tick the kwargs the deferral carries stop growing: the last KEEP_DECISIONS
+    decisions per role, a pruned recommendation history, one cursor number per attempt.
+    Every decision is still in the task log."""
+    from aibrix_operators.sensors.scaling import KEEP_DECISIONS
+
+    validated, shards, log = batch(tmp_path, 40, window_s=3600.0)
+    op = AutoscaleSensor(task_id="autoscale", validated=validated, shards=shards, execution_mode="kubernetes")
+    ctx: dict[str, Any] = {"run_id": "run_1", "ti": FakeTI()}
+    state: dict[str, Any] = {}
+    sizes = []
+    for tick in range(3 * KEEP_DECISIONS):
+        log.append(_answer(tick))
+        log.flush()  # a segment per tick
+        with pytest.raises(TaskDeferred) as deferred:
+            op.tick(ctx, event=None, state=state)
+        state = json.loads(json.dumps(deferred.value.kwargs["state"]))
+        sizes.append(len(json.dumps(state)))
+    assert [len(state["decisions"][r]) for r in ("prefill", "decode")] == [KEEP_DECISIONS] * 2
+    assert max(sizes[KEEP_DECISIONS:]) <= sizes[KEEP_DECISIONS] * 1.1, sizes
+    assert len(state["progress"]["shards"]["shard-00000"]["seen"]) == 1  # 30 segments, 1 attempt
+    # Same recommendation every tick: one entry, not one per tick.
+    assert [len(state["roles"][r]["recommendations"]) for r in ("prefill", "decode")] == [1, 1]

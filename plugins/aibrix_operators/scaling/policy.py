@@ -247,6 +247,24 @@ def _replicas_for(exact: float, max_replicas: int) -> int:
     return max(1, math.ceil(exact - 1e-9))
 
 
+def _prune(hist: tuple[Recommendation, ...]) -> tuple[Recommendation, ...]:
+    """Drop the recommendations no window can need, so the state stays small at any interval.
+
+    The windows are always the newest entries (``now - at <= window``), and only their max
+    (scale-down) and min (scale-up) matter. An entry with a later one at least as high and
+    a later one at least as low is never either: any window holding it holds those too.
+    What is left is a falling run of maxima and a rising run of minima, at most two
+    entries per distinct replica count, whatever the interval.
+    """
+    kept: list[Recommendation] = []
+    later_max, later_min = -math.inf, math.inf
+    for h in reversed(hist):
+        if h.replicas > later_max or h.replicas < later_min:
+            kept.append(h)
+        later_max, later_min = max(later_max, h.replicas), min(later_min, h.replicas)
+    return tuple(reversed(kept))
+
+
 def decide(
     policy: RolePolicy,
     work: RemainingWork,
@@ -290,7 +308,8 @@ def decide(
     if saturated:
         rec = max(rec, policy.to_gang(obs.ready_replicas))
     keep_s = max(policy.scale_up_window_s, policy.scale_down_window_s)
-    hist = tuple(h for h in state.recommendations if now - h.at <= keep_s) + (Recommendation(now, rec),)
+    recent = tuple(h for h in state.recommendations if now - h.at <= keep_s)
+    hist = _prune((*recent, Recommendation(now, rec)))
     plan = (f"{tokens:.0f} {policy.work} in {time_left:.0f}s at {capacity:.1f}/s per replica "
             f"({source}) x {policy.target_utilization:g} needs {need}")
 

@@ -1,7 +1,8 @@
 """The drivers' progress, read from the shards' result logs, and the work that remains.
 
-Segments are immutable once written, so each poll reads only the segments it has not
-seen (the cursor travels with the sensor's state); a shard's binding (a digest of its
+Segments are immutable once written and each attempt writes its own in sequence, so each
+poll reads only the segments past the last one it read of each attempt (the cursor, one
+number per attempt, travels with the sensor's state); a shard's binding (a digest of its
 bytes) is computed once. Counts are of result lines: a repeat from an overlapping
 attempt counts twice, which only nudges the rate estimate; whether a shard is *done*
 is confirmed with the exact ``ResultLog.scan()`` (unique ``custom_id``s) before the
@@ -21,7 +22,7 @@ from typing import Any
 
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.sharding import ShardSpec
-from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
+from aibrix_operators.driver.results import SEGMENT_SUFFIX, ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.scaling.policy import RemainingWork
 from aibrix_operators.storage import Storage
 
@@ -116,15 +117,15 @@ class ProgressTracker:
         all_done = True
         for shard in self.shards:
             cur = self._cursors.setdefault(shard.name, {
-                "binding": None, "seen": [], "lines": 0, "prompt": 0, "completion": 0, "done": False})
+                "binding": None, "seen": {}, "lines": 0, "prompt": 0, "completion": 0, "done": False})
             if cur["binding"] is None:
                 cur["binding"] = fingerprint_shard(self.storage, shard.uri).binding
             log = ResultLog(self.storage, results_prefix(self.work_prefix, shard.name), cur["binding"])
             if not cur["done"]:
-                seen = set(cur["seen"])
+                seen = _last_seq(cur["seen"])
                 for uri in log.segments():
-                    name = uri.rsplit("/", 1)[-1]
-                    if name in seen:
+                    attempt, seq = _segment_id(uri)
+                    if seq <= seen.get(attempt, -1):
                         continue
                     for line in self.storage.read_bytes(uri).splitlines():
                         if not line:
@@ -133,7 +134,8 @@ class ProgressTracker:
                         cur["lines"] += 1
                         cur["prompt"] += _int(usage.get("prompt_tokens"))
                         cur["completion"] += _int(usage.get("completion_tokens"))
-                    cur["seen"].append(name)
+                    seen[attempt] = seq
+                cur["seen"] = seen
                 if cur["lines"] >= shard.num_requests:
                     cur["done"] = len(log.scan()[0]) >= shard.num_requests
             answered += min(cur["lines"], shard.num_requests)
@@ -142,6 +144,26 @@ class ProgressTracker:
             all_done = all_done and cur["done"]
         total = sum(s.num_requests for s in self.shards)
         return BatchProgress(total, answered, prompt, completion, all_done)
+
+
+def _segment_id(uri: str) -> tuple[str, int]:
+    """``.../seg-<attempt>-<seq>.jsonl`` → (attempt, seq)."""
+    name = uri.rsplit("/", 1)[-1].removeprefix("seg-").removesuffix(SEGMENT_SUFFIX)
+    attempt, seq = name.rsplit("-", 1)
+    return attempt, int(seq)
+
+
+def _last_seq(seen: Any) -> dict[str, int]:
+    """The cursor's read segments: {attempt: last seq read}. Bounded by the attempts, not
+    the segments (an attempt writes its segments in order). A list of names (the state of
+    a deferral from before this format) is folded into it."""
+    if isinstance(seen, dict):
+        return {k: int(v) for k, v in seen.items()}
+    out: dict[str, int] = {}
+    for name in seen or []:
+        attempt, seq = _segment_id(name)
+        out[attempt] = max(seq, out.get(attempt, -1))
+    return out
 
 
 def _int(value: Any) -> int:
