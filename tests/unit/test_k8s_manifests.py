@@ -158,7 +158,8 @@ def test_plain_overlay_gangs_each_tensor_parallel_group() -> None:
         labels = sts["spec"]["template"]["metadata"]["labels"]
         group = groups[labels["scheduling.x-k8s.io/pod-group"]]
         assert group["metadata"]["name"] == sts["metadata"]["name"]  # the name the autoscaler checks
-        assert sts["spec"]["selector"]["matchLabels"]["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
+        selector = sts["spec"]["selector"]["matchLabels"]
+        assert selector["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
         env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
         # The gang is exactly the group's ranks; they start together (Parallel). A group is
         # on (all its ranks) or off (0): the autoscaler switches whole groups.
