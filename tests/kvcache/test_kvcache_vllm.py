@@ -18,8 +18,11 @@ the assertions below require zero integrity failures on clean hits.
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from kvcache_testlib import (
     LOGPROB_TOL,
     RedisServer,
@@ -37,6 +41,7 @@ from kvcache_testlib import (
     scrape,
 )
 
+from kvcache import codec
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
 BLOCK = 128
@@ -255,21 +260,77 @@ def test_redis_outage_then_recovery(conn: Conn, base: LocalServer, redis_l2: Red
     assert conn.metrics()["kvcache_hit_chunks_total{tier=l2}"] > l2_hits
 
 
+def _post(server: LocalServer, path: str) -> None:
+    req = urllib.request.Request(server.url + path, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200, r.read()
+
+
+def complete_in_one_step(server: LocalServer, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Send ``prompts`` so that vLLM's scheduler admits all of them in the same step.
+
+    Sent while the scheduler is paused (vLLM's dev endpoint ``/pause?mode=keep`` queues new
+    requests without scheduling any), then resumed: the first ``schedule()`` after the
+    resume finds every prompt waiting and, the token budget allowing, takes them all.
+    (Sent to an idle engine, the first prompt is scheduled alone before the second one
+    arrives, which is why an earlier version of the hole-1 test never saw the scenario.)"""
+    _post(server, "/pause?mode=keep&clear_cache=false")
+    out: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            out["resp"] = server.complete(prompts, max_tokens=max_tokens)
+        except BaseException as exc:  # re-raised in the test's thread
+            out["error"] = exc
+
+    sender = threading.Thread(target=send)
+    try:
+        sender.start()
+        # Token-id prompts reach the engine's waiting queue within milliseconds; whether they
+        # really shared one step is asserted by the caller from the connector's counters.
+        time.sleep(2.0)
+    finally:
+        _post(server, "/resume")
+    sender.join(timeout=120)
+    if "error" in out:
+        raise out["error"]
+    return out["resp"]
+
+
+def _records(client, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+    """The KV tensors of the given L2 records (each decoded and checked against its header)."""
+    out = {}
+    for key in keys:
+        record = client.get(key)
+        assert record is not None, key
+        head_len = struct.unpack_from("<4sI", record)[1]
+        header = json.loads(record[8 : 8 + head_len])
+        expected = codec.Expected(key.decode(), getattr(torch, header["dtype"]), tuple(header["shape"]))
+        out[key] = codec.decode(record, expected)[0].clone()
+    return out
+
+
 def test_failed_shared_load_never_poisons_the_prefix(
     conn: Conn, base: LocalServer, redis_l2: RedisServer
 ) -> None:
-    """Hole 1. Two prompts sharing a 5-chunk prefix P arrive in one request (so usually one
-    engine step schedules both), with P stored only in Redis. With prefix caching on, vLLM gives
-    the second prompt the very blocks the first is loading P into, and the second's save
-    plan covers P's chunks from those blocks. The load is made to fail (test-only fault):
-    no save that read the unloaded blocks may be stored, and every later hit on P, from L1
-    and from Redis, must reproduce the baseline."""
+    """Hole 1, end to end. Two prompts sharing a 5-chunk prefix P, with P stored only in
+    Redis, are admitted in one engine step (``complete_in_one_step``) and P's load is made to
+    fail (test-only fault). With prefix caching on, vLLM's scheduler caches the blocks the
+    first prompt is loading P into when it allocates them (a synchronous load), so the second
+    prompt gets a local prefix-cache hit on those very blocks in the same step, and its save
+    plan covers P's chunks from them: the blocks hold whatever stale KV they held before. The
+    worker must drop those saves (counted), P's records in Redis must stay the KV of P, and
+    every later hit on P, from L1 and from Redis, must reproduce the baseline."""
     shared = random_prompt(640, seed=60)
     prompts = [shared + random_prompt(100, seed=61), shared + random_prompt(150, seed=62)]
     expected = [full_prefill(base, p, max_tokens=8) for p in prompts]
-    keys_before = redis_l2.client().dbsize()
+    client = redis_l2.client()
+    keys_before = set(client.keys())
     conn.fresh(shared + [1, 2, 3], max_tokens=1)  # store P (L1 and Redis)
-    _wait_for_keys(redis_l2.client(), keys_before + 5 * 4)
+    _wait_for_keys(client, len(keys_before) + 5 * 4)
+    p_keys = sorted(set(client.keys()) - keys_before)
+    assert len(p_keys) == 5 * 4  # P's 5 chunks x 4 layers
+    p_kv = _records(client, p_keys)
     for i in range(2):  # 14 chunks through the 12-chunk L1: P is left in Redis only
         conn.fresh(random_prompt(1000, seed=70 + i), max_tokens=1)
     m0 = conn.metrics()
@@ -277,15 +338,29 @@ def test_failed_shared_load_never_poisons_the_prefix(
         conn.server.reset_prefix_cache()
     conn.fault.write_text("zeros")
     try:
-        both = conn.server.complete(prompts, max_tokens=8)
+        both = complete_in_one_step(conn.server, prompts, max_tokens=8)
     finally:
         conn.fault.unlink()
     m1 = conn.metrics()
     assert m1["kvcache_integrity_failures_total"] > m0["kvcache_integrity_failures_total"]
-    # Whether vLLM co-schedules the two prompts in one step (and so plans the second's save
-    # of P from the blocks the first is loading) depends on arrival timing, so this test
-    # does not require a dropped save; test_kvcache_worker's
-    # test_failed_load_drops_saves_by_block_not_by_request pins that rule down exactly.
+
+    def delta(name: str) -> float:
+        return m1.get(name, 0.0) - m0.get(name, 0.0)
+
+    dropped = delta("kvcache_saves_dropped_total{reason=failed_load}")
+    failed_chunks = delta("kvcache_miss_chunks_total{reason=integrity}")
+    assert delta("kvcache_hit_chunks_total{tier=l2}") == 0  # every load of P in that step failed
+    if conn.server.prefix_caching:
+        # The scenario happened: one prompt loaded P (5 failed chunks), the other shared its
+        # blocks and planned saves of P's 5 chunks from them, all dropped. (The per-request
+        # rule that preceded the fix drops none of them: that request's own load did not fail.)
+        assert failed_chunks == 5, (failed_chunks, m1)
+        assert dropped >= 5, (dropped, m1)
+    else:
+        # No sharing: both prompts load P themselves (10 failed chunks) and only the
+        # longer one has a 6th full chunk to save, dropped with its own failed load.
+        assert failed_chunks == 10, (failed_chunks, m1)
+        assert dropped >= 1, (dropped, m1)
     choices = sorted(both["choices"], key=lambda c: c["index"])
     for choice, want in zip(choices, expected, strict=True):
         assert_same({"choices": [choice]}, want)
@@ -294,9 +369,17 @@ def test_failed_shared_load_never_poisons_the_prefix(
         hit = conn.fresh(p, max_tokens=8)
         assert cached_tokens(hit) >= 640
         assert_same(hit, want)
-    # ... and from Redis, once L1 no longer has P.
+    # ... and from Redis, once L1 no longer has P. The L2 writer is one FIFO thread: once
+    # these prompts' records are in Redis, every write queued before them is too.
+    n_keys = client.dbsize()
     for i in range(2):
         conn.fresh(random_prompt(1000, seed=72 + i), max_tokens=1)
+    _wait_for_keys(client, n_keys + 2 * 7 * 4)
+    # The poisoned chunk was never stored: P's records still hold P's KV (rewritten by the
+    # recompute, so equal up to the kernels' rounding of another batch shape, not bitwise).
+    after = _records(client, p_keys)
+    worst = max(float((after[k] - p_kv[k]).abs().max()) for k in p_keys)
+    assert worst <= 1e-4, worst
     l2_hits = conn.metrics().get("kvcache_hit_chunks_total{tier=l2}", 0.0)
     hit = conn.fresh(prompts[1], max_tokens=8)
     assert cached_tokens(hit) >= 640
