@@ -13,8 +13,15 @@ same run, with the same raw keep-alive client.
   scheduled send time (no coordinated omission); router minus direct at the median and
   p99 (targets <= 2 ms / <= 5 ms). The closed-loop latencies are printed too.
 
+- **prefix affinity** (``--affinity-ab``): a second router with ``--prefix-affinity off`` in
+  the same run, both in front of two prefill and two decode stubs, requests shaped like an
+  eval batch (``--prompt-bytes`` of few-shot template, one of ``--templates``, then a
+  question); paced rounds alternate direct, affinity off, affinity on, and the cost of
+  affinity is on minus off at the median and p99 (the targets above apply to "on" minus direct).
+
     .venv/bin/python bench/router_overhead.py                 # full run (~30 s)
     .venv/bin/python bench/router_overhead.py --requests 2000 --seconds 2 --no-pin   # smoke
+    .venv/bin/python bench/router_overhead.py --affinity-ab --prompt-bytes 4096      # affinity cost
 """
 
 from __future__ import annotations
@@ -34,18 +41,33 @@ REPO = Path(__file__).resolve().parent.parent
 BODY = b'{"model":"tiny-llama","prompt":"Say something about routers and caches.","max_tokens":16}'
 
 
-def _request(path: bytes = b"/v1/completions") -> bytes:
+def _request(body: bytes = BODY, path: bytes = b"/v1/completions") -> bytes:
     return (
         b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )  # fmt: skip
 
 
-REQ = _request()
+REQS = [_request()]
 
 
-async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    writer.write(REQ)
+def eval_requests(prompt_bytes: int, templates: int, questions: int = 16) -> list[bytes]:
+    """Eval-shaped requests: ``templates`` few-shot prefixes of ``prompt_bytes``, each with
+    ``questions`` different questions, interleaved (a shuffled file's order)."""
+    import json
+
+    examples = range(prompt_bytes // 16 + 1)
+    heads = [(f"Template {t}. " + "".join(f"Example {t}.{i}: {i} + {t} = {i + t}. " for i in examples))
+             [:prompt_bytes] for t in range(templates)]  # fmt: skip
+    return [
+        _request(json.dumps({"model": "tiny-llama", "max_tokens": 16,
+                             "prompt": heads[t] + f"\nQuestion {q}: what is {q} + {t}?"}).encode())
+        for q in range(questions) for t in range(templates)
+    ]  # fmt: skip
+
+
+async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes) -> None:
+    writer.write(req)
     head = await reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"unexpected answer: {head[:60]!r}")
@@ -86,8 +108,9 @@ async def run(ports: list[int], requests: int, concurrency: int, rate: float | N
                     await asyncio.sleep(delay)
             else:
                 scheduled = time.perf_counter()
+            req = REQS[(k * per_worker + n) % len(REQS)]
             for reader, writer in streams:
-                await _call(reader, writer)
+                await _call(reader, writer, req)
             lat.append(time.perf_counter() - scheduled)
 
     t0 = time.perf_counter()
@@ -166,6 +189,7 @@ def _loop() -> asyncio.AbstractEventLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global REQS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=30_000, help="requests per closed-loop run")
     p.add_argument("--concurrency", type=int, default=64)
@@ -173,69 +197,112 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="length of each paced run")
     p.add_argument("--rounds", type=int, default=3, help="paced rounds (each: direct, then router)")
     p.add_argument("--no-pin", action="store_true", help="don't pin processes to CPUs (smoke tests)")
+    p.add_argument(
+        "--affinity-ab",
+        action="store_true",
+        help="two routers, --prefix-affinity off and on, two instances per role",
+    )
+    p.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="eval-shaped prompts with a shared template of this many bytes (0: one short prompt)",
+    )
+    p.add_argument("--templates", type=int, default=64, help="distinct templates with --prompt-bytes")
     args = p.parse_args(argv)
+    if args.prompt_bytes:
+        REQS = eval_requests(args.prompt_bytes, args.templates)
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     cpu_router, cpu_rest = (["--cpu", "0"], ["--cpu", "1"]) if pin else ([], [])
     if pin:
         os.sched_setaffinity(0, {1})
-    stubs = Proc([sys.executable, str(REPO / "bench/_pd_stub.py"), "--count", "2", *cpu_rest])
-    router = None
+    stubs = Proc([sys.executable, str(REPO / "bench/_pd_stub.py"), "--count", "4", *cpu_rest])
+    variants = [("affinity off", "off"), ("affinity on", "on")] if args.affinity_ab else [("router", "on")]
+    routers: list[tuple[str, Proc, int]] = []
     try:
-        prefill_port, decode_port = map(int, stubs.line("PORT").split()[1:3])
-        router_port = _free_port()
-        env_cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
-                   "--port", str(router_port), "--prefill", f"http://127.0.0.1:{prefill_port}",
-                   "--decode", f"http://127.0.0.1:{decode_port}", *cpu_router]  # fmt: skip
-        router = Proc(env_cmd)
-        _wait_healthy(f"http://127.0.0.1:{router_port}")
+        ports = [int(x) for x in stubs.line("PORT").split()[1:]]
+        prefill_port, decode_port = ports[0], ports[1]
+        instances = ports if args.affinity_ab else ports[:2]
+        for name, affinity in variants:
+            router_port = _free_port()
+            env_cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
+                       "--port", str(router_port), "--prefix-affinity", affinity, *cpu_router]  # fmt: skip
+            for k, port in enumerate(instances):
+                env_cmd += ["--prefill" if k % 2 == 0 else "--decode", f"http://127.0.0.1:{port}"]
+            routers.append((name, Proc(env_cmd), router_port))
+            _wait_healthy(f"http://127.0.0.1:{router_port}")
         loop = _loop()
         c, n = args.concurrency, args.requests
         paced_n = int(args.rate * args.seconds)
-        loop.run_until_complete(run([router_port], min(n, 3000), c, None))  # warm up both paths
+        for _, _, port in routers:  # warm up every path
+            loop.run_until_complete(run([port], min(n, 3000), c, None))
         loop.run_until_complete(run([prefill_port, decode_port], min(n, 3000), c, None))
         direct = loop.run_until_complete(run([prefill_port, decode_port], n, c, None))
-        cpu0 = _cpu_seconds(router.proc.pid)
-        routed = loop.run_until_complete(run([router_port], n, c, None))
-        router_cpu = _cpu_seconds(router.proc.pid) - cpu0
+        closed: dict[str, tuple[Result, float]] = {}
+        for name, proc, port in routers:
+            cpu0 = _cpu_seconds(proc.proc.pid)
+            res = loop.run_until_complete(run([port], n, c, None))
+            closed[name] = (res, _cpu_seconds(proc.proc.pid) - cpu0)
         # Paced rounds alternate direct and routed, so a burst of other load on this shared
-        # machine hits one pair of rounds, not one side; the verdict takes the median round.
-        rounds = []
+        # machine hits one round of each side, not one side; the verdict takes the median round.
+        rounds: list[dict[str, Result]] = []
         for _ in range(args.rounds):
-            d = loop.run_until_complete(run([prefill_port, decode_port], paced_n, c, args.rate))
-            r = loop.run_until_complete(run([router_port], paced_n, c, args.rate))
-            rounds.append((d, r))
+            one = {"direct": loop.run_until_complete(run([prefill_port, decode_port], paced_n, c, args.rate))}
+            for name, _, port in routers:
+                one[name] = loop.run_until_complete(run([port], paced_n, c, args.rate))
+            rounds.append(one)
         loop.close()
     finally:
         # Each stop kills after a grace period, so one stuck process never leaks the others.
-        for proc in (router, stubs):
-            if proc is not None:
-                proc.stop()
+        for proc in [r[1] for r in routers] + [stubs]:
+            proc.stop()
 
     def row(name: str, r: Result) -> str:
         return (f"{name:<58} {r.rps:>9.0f} req/s  p50 {r.pct(0.5):7.2f} ms  p99 {r.pct(0.99):7.2f} ms"
                 f"  ({len(r.latencies)} requests)")  # fmt: skip
 
-    added = sorted(((r.pct(0.5) - d.pct(0.5), r.pct(0.99) - d.pct(0.99)) for d, r in rounds))
-    added50 = statistics.median(a for a, _ in added)
-    added99 = statistics.median(b for _, b in added)
-    print(f"router overhead, {c} concurrent, pinned={'router cpu0, stubs+client cpu1' if pin else 'no'}")
+    def added(name: str, base: str = "direct") -> tuple[float, float]:
+        a50 = statistics.median(r[name].pct(0.5) - r[base].pct(0.5) for r in rounds)
+        a99 = statistics.median(r[name].pct(0.99) - r[base].pct(0.99) for r in rounds)
+        return a50, a99
+
+    body = f"{len(REQS)} distinct bodies of ~{len(REQS[0])} bytes" if args.prompt_bytes else "one short body"
+    print(f"router overhead, {c} concurrent, {body}, "
+          f"pinned={'router cpu0, stubs+client cpu1' if pin else 'no'}")  # fmt: skip
     print(row(f"baseline: direct calls (prefill + decode stub), closed loop {c}", direct))
-    print(row(f"router (prefill + decode), closed loop {c}", routed))
-    for i, (d, r) in enumerate(rounds):
-        print(row(f"baseline: direct calls, paced {args.rate:.0f} req/s, round {i + 1}", d))
-        print(row(f"router, paced {args.rate:.0f} req/s, round {i + 1}", r))
-    cpu_rps = len(routed.latencies) / router_cpu if router_cpu > 0 else float("inf")
-    print(f"router throughput: {routed.rps:.0f} req/s on one core, wall clock (target >= 1500); "
-          f"{router_cpu / len(routed.latencies) * 1e3:.3f} ms of router CPU per request = "
-          f"{cpu_rps:.0f} req/s per fully available core")  # fmt: skip
-    print(f"added latency at {args.rate:.0f} req/s over {c} connections (median of {len(rounds)} rounds): "
-          f"median {added50:.2f} ms (target <= 2), p99 {added99:.2f} ms (target <= 5)")  # fmt: skip
+    for name, _, _ in routers:
+        print(row(f"{name} (prefill + decode), closed loop {c}", closed[name][0]))
+    for i, one in enumerate(rounds):
+        print(row(f"baseline: direct calls, paced {args.rate:.0f} req/s, round {i + 1}", one["direct"]))
+        for name, _, _ in routers:
+            print(row(f"{name}, paced {args.rate:.0f} req/s, round {i + 1}", one[name]))
+    for name, _, _ in routers:
+        routed, router_cpu = closed[name]
+        cpu_rps = len(routed.latencies) / router_cpu if router_cpu > 0 else float("inf")
+        print(f"{name} throughput: {routed.rps:.0f} req/s on one core, wall clock (target >= 1500); "
+              f"{router_cpu / len(routed.latencies) * 1e3:.3f} ms of router CPU per request = "
+              f"{cpu_rps:.0f} req/s per fully available core")  # fmt: skip
+        a50, a99 = added(name)
+        print(f"{name} added latency at {args.rate:.0f} req/s over {c} connections (median of {len(rounds)} "
+              f"rounds): median {a50:.2f} ms (target <= 2), p99 {a99:.2f} ms (target <= 5)")  # fmt: skip
+        for i, one in enumerate(rounds):
+            r, d = one[name], one["direct"]
+            print(f"  round {i + 1}: added median {r.pct(0.5) - d.pct(0.5):.2f} ms, "
+                  f"p99 {r.pct(0.99) - d.pct(0.99):.2f} ms")  # fmt: skip
+    if args.affinity_ab:
+        a50, a99 = added("affinity on", "affinity off")
+        cpu_on = closed["affinity on"][1] / len(closed["affinity on"][0].latencies)
+        cpu_off = closed["affinity off"][1] / len(closed["affinity off"][0].latencies)
+        print(
+            f"prefix affinity's own cost (on minus off, median of rounds): median {a50:.2f} ms, "
+            f"p99 {a99:.2f} ms; router CPU per request {cpu_on * 1e3:.3f} vs {cpu_off * 1e3:.3f} ms"
+        )
+    name = routers[-1][0]
+    routed = closed[name][0]
+    a50, a99 = added(name)
     print(f"(closed-loop medians are queueing: {c} / throughput = {c / routed.rps * 1e3:.1f} ms)")
-    for i, (d, r) in enumerate(rounds):
-        a50, a99 = r.pct(0.5) - d.pct(0.5), r.pct(0.99) - d.pct(0.99)
-        print(f"  round {i + 1}: added median {a50:.2f} ms, p99 {a99:.2f} ms")
-    ok = routed.rps >= 1500 and added50 <= 2 and added99 <= 5
-    print("verdict:", "targets met" if ok else "targets NOT met")
+    ok = routed.rps >= 1500 and a50 <= 2 and a99 <= 5
+    print("verdict:", "targets met" if ok else "targets NOT met", f"({name})")
     return 0 if ok else 1
 
 
