@@ -53,6 +53,12 @@ class KVCacheSettings:
     l2_mac_alg: str = "blake2b"
     # L2 writes queued beyond this are dropped (counted), so saves never block compute.
     l2_write_queue_max: int = 4096
+    # P/D handoff (kvcache.handoff): a decode request carrying a prefill's kv_transfer_params
+    # stays pending until L2 holds the chunks the prefill stored, for at most this long,
+    # then loads what is there and recomputes the rest. 0 = never wait.
+    handoff_wait_s: float = 5.0
+    # While pending, how often the scheduler looks at L2 again (one EXISTS round trip).
+    handoff_poll_s: float = 0.005
     # Verify each loaded block's checksum and key before using it.
     verify_checksum: bool = True
     # Integrity of L1 entries (memory of this process; every entry also carries its key):
@@ -109,6 +115,8 @@ class KVCacheSettings:
             raise ValueError("sizes must be >= 0")
         if self.l2_mac_alg not in ("blake2b", "blake3"):
             raise ValueError(f"l2_mac_alg must be blake2b or blake3, got {self.l2_mac_alg!r}")
+        if self.handoff_wait_s < 0 or self.handoff_poll_s <= 0:
+            raise ValueError("handoff_wait_s must be >= 0 and handoff_poll_s > 0")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
 

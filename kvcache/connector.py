@@ -25,6 +25,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from kvcache import metrics
 from kvcache.config import KVCacheSettings
 from kvcache.fingerprint import weights_fingerprint
+from kvcache.handoff import Handoff
 from kvcache.keys import KeyNamespace, layer_number
 from kvcache.metadata import KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.scheduler import KVCacheScheduler
@@ -136,6 +137,8 @@ class KVCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVCacheStepMetadata) and self.worker is not None
+        if meta.handoffs and self.worker.tp_rank == 0:
+            metrics.record_handoffs(meta.handoffs)
         self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -181,7 +184,13 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         salt = getattr(request, "cache_salt", None)
-        return self.scheduler.num_matched_tokens(request.request_id, prompt, num_computed_tokens, salt), False
+        # A decode call after a prefill carries what the prefill stored (kvcache.handoff);
+        # None from the scheduler = pending until L2 holds it: vLLM asks again next step.
+        handoff = Handoff.from_params(request.kv_transfer_params)
+        matched = self.scheduler.num_matched_tokens(
+            request.request_id, prompt, num_computed_tokens, salt, handoff
+        )
+        return matched, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -202,9 +211,16 @@ class KVCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        params = None
+        if _wants_remote_decode(request):
+            # A prefill for a decode instance: name what this request stored, so the decode
+            # call waits until L2 holds it (the writes run behind the request).
+            handoff = self.scheduler.handoff(request.request_id)
+            params = handoff.to_params() if handoff is not None else None
         self.scheduler.finished(request.request_id)
-        # Saves are copied out of the paged cache within the step, so blocks can be freed now.
-        return False, None
+        # Saves are copied out of the paged cache within the step (L2 writes work from that
+        # copy), so blocks can be freed now; the decode side waits for L2, not for us.
+        return False, params
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -213,3 +229,16 @@ class KVCacheConnector(KVConnectorBase_V1):
             or request.lora_request is not None
             or getattr(request, "prompt_embeds", None) is not None
         )
+
+
+def _wants_remote_decode(request: Request) -> bool:
+    """A prefill call (vLLM's P/D convention: ``do_remote_decode``) that ran to its end;
+    an aborted one stored an unknown part of its prompt, so it names nothing."""
+    from vllm.v1.request import RequestStatus
+
+    params = request.kv_transfer_params
+    return bool(
+        isinstance(params, dict)
+        and params.get("do_remote_decode")
+        and request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+    )

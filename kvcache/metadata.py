@@ -37,6 +37,9 @@ class KVCacheStepMetadata(KVConnectorMetadata):
     saves: list[ChunkTransfer] = field(default_factory=list)
     # Tokens per chunk, so the worker never has to guess.
     chunk_tokens: int = 0
+    # P/D handoffs the scheduler resolved since the last step: (outcome, seconds pending).
+    # Counted by the worker side, whose process serves the metrics.
+    handoffs: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -36,6 +36,18 @@ L2_ERRORS = Counter("kvcache_l2_errors", "L2 operations that failed (tier unreac
 SAVES_DROPPED = Counter(
     "kvcache_saves_dropped", "Chunk saves not stored because their KV may be wrong", ["reason"]
 )
+HANDOFFS = Counter(
+    "kvcache_handoffs",
+    "Decode-side lookups of a prefill handoff, by outcome: complete (every promised chunk "
+    "found), timeout (handoff_wait_s passed first), mismatch (another prompt, model or salt), "
+    "unavailable (L2 down)",
+    ["outcome"],
+)
+HANDOFF_WAIT_SECONDS = Histogram(
+    "kvcache_handoff_wait_seconds",
+    "Per handoff: time a decode request stayed pending until its chunks were in L2 (or timeout)",
+    buckets=_LAT_BUCKETS,
+)
 SAVE_ERRORS = Counter("kvcache_save_errors", "Steps whose saves failed and were dropped")
 L2_DROPPED = Counter("kvcache_l2_writes_dropped", "L2 writes dropped because the queue was full")
 # Both are the forward's cost: time the compute thread spends in the connector's hooks for
@@ -51,6 +63,14 @@ SAVE_SECONDS = Histogram(
     "Per step with saves: compute-thread time in save_kv_layer and wait_for_save",
     buckets=_LAT_BUCKETS,
 )
+
+
+def record_handoffs(events: list[tuple[str, float]]) -> None:
+    """Count P/D handoffs the scheduler resolved (it may run in another process)."""
+    for outcome, waited_s in events:
+        HANDOFFS.labels(outcome).inc()
+        HANDOFF_WAIT_SECONDS.observe(waited_s)
+
 
 _served: set[int] = set()
 _serve_lock = threading.Lock()

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvcache import metrics
 from kvcache.config import KVCacheSettings
+from kvcache.handoff import Handoff, HandoffWaits
 from kvcache.keys import KeyNamespace, chunk_hashes, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.tiers import L2Store, TierUnavailable
@@ -62,6 +63,9 @@ class KVCacheScheduler:
         self._hash_cache: dict[str, list[str]] = {}
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._reqs: dict[str, _ReqState] = {}
+        self.handoffs = HandoffWaits(settings.handoff_wait_s, settings.handoff_poll_s)
+        # Resolved handoffs not yet sent to the worker side (step metadata).
+        self._handoff_events: list[tuple[str, float]] = []
 
     # -- lookup ----------------------------------------------------------------------------
     def _hashes(self, req_id: str, prompt: list[int], salt: str | None = None) -> list[str]:
@@ -72,12 +76,21 @@ class KVCacheScheduler:
         return cached
 
     def num_matched_tokens(
-        self, req_id: str, prompt: list[int], num_computed_tokens: int, salt: str | None = None
-    ) -> int:
+        self,
+        req_id: str,
+        prompt: list[int],
+        num_computed_tokens: int,
+        salt: str | None = None,
+        handoff: Handoff | None = None,
+    ) -> int | None:
         """Tokens beyond ``num_computed_tokens`` whose KV we can load (side-effect free for vLLM).
 
         Also where a request's chunk hashes are made, under its ``cache_salt``: vLLM asks
         this of every new request, and the step metadata (which lacks the salt) reuses them.
+
+        ``handoff``: what a prefill instance stored for this prompt (kvcache.handoff). Until
+        L2 holds it, or ``handoff_wait_s`` passes, the answer is None ("pending": vLLM skips
+        the request this step and asks again).
         """
         if not prompt:
             return 0
@@ -86,30 +99,68 @@ class KVCacheScheduler:
             return 0
         # Leave at least one prompt token to compute: vLLM needs logits for it.
         usable = min(len(hashes), (len(prompt) - 1) // self.chunk)
-        hit = self._leading_hits(hashes[:usable])
+        expected = self._handoff_chunks(req_id, hashes, usable, handoff)
+        if expected and not self.handoffs.poll_due(req_id):
+            return None
+        hit, reachable = self._leading_hits(hashes[:usable])
+        if expected:
+            if hit < expected and reachable and self.handoffs.keep_waiting(req_id):
+                return None
+            outcome = "complete" if hit >= expected else "timeout" if reachable else "unavailable"
+            self._handoff_events.append((outcome, self.handoffs.waited_s(req_id)))
+            if outcome != "complete":
+                log.info(
+                    "kvcache: request %s: prefill handoff of %d chunks incomplete (%s), %d found; "
+                    "recomputing the rest",
+                    req_id, expected, outcome, hit,
+                )  # fmt: skip
+            self.handoffs.resolve(req_id)
         metrics.SCHED_QUERY_TOKENS.inc(max(0, len(prompt) - num_computed_tokens))
         matched = max(0, hit * self.chunk - num_computed_tokens)
         metrics.SCHED_HIT_TOKENS.inc(matched)
         return matched
 
-    def _leading_hits(self, hashes: list[str]) -> int:
+    def _handoff_chunks(self, req_id: str, hashes: list[str], usable: int, handoff: Handoff | None) -> int:
+        """How many leading chunks to wait for (0: no wait)."""
+        if handoff is None or self.l2 is None or not self.handoffs.wanted(req_id):
+            return 0
+        if self.settings.handoff_wait_s <= 0:
+            return 0
+        if handoff.chunks > len(hashes) or hashes[handoff.chunks - 1] != handoff.last_hash:
+            # Not this prompt under this namespace and salt: nothing of ours to wait for.
+            self._handoff_events.append(("mismatch", 0.0))
+            self.handoffs.resolve(req_id)
+            return 0
+        return min(handoff.chunks, usable)
+
+    def _leading_hits(self, hashes: list[str]) -> tuple[int, bool]:
+        """Leading chunks stored in L1 or L2, and whether L2 answered (False: it is down)."""
         n = 0
         while n < len(hashes) and hashes[n] in self.l1_index:
             n += 1
         rest = hashes[n:]
         if not rest or self.l2 is None:
-            return n
+            return n, True
         groups = [[storage_key(self.ns, 0, h, layer) for layer in self.layer_ids] for h in rest]
         try:
             found = self.l2.present(groups)
         except TierUnavailable:
             metrics.L2_ERRORS.labels("lookup").inc()
-            return n
+            return n, False
         for h, ok in zip(rest, found, strict=True):
             if not (ok or h in self.l1_index):
                 break
             n += 1
-        return n
+        return n, True
+
+    def handoff(self, req_id: str) -> Handoff | None:
+        """Producer side, when a request finishes: the chunks it stored or queued for L2
+        (None if it stored none). Decode instances wait for them (``num_matched_tokens``)."""
+        state = self._reqs.get(req_id)
+        if state is None or not self.can_save or state.saved_upto <= 0:
+            return None
+        n = min(state.saved_upto, len(state.hashes))
+        return Handoff(n, state.hashes[n - 1])
 
     def after_alloc(self, req_id: str, prompt: list[int], num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -118,7 +169,8 @@ class KVCacheScheduler:
     # -- per step --------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> KVCacheStepMetadata:
         """Loads for newly scheduled requests, saves for every chunk completed this step."""
-        meta = KVCacheStepMetadata(chunk_tokens=self.chunk)
+        meta = KVCacheStepMetadata(chunk_tokens=self.chunk, handoffs=self._handoff_events)
+        self._handoff_events = []
         queued: set[str] = set()
         for new in scheduler_output.scheduled_new_reqs:
             block_ids = list(new.block_ids[0]) if new.block_ids else []
@@ -232,6 +284,7 @@ class KVCacheScheduler:
                 state.saved_upto = 0
 
     def finished(self, req_id: str) -> None:
+        self.handoffs.forget(req_id)
         self._reqs.pop(req_id, None)
         self._hash_cache.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
