@@ -39,13 +39,15 @@ PARAMS = {
         str(REPO_ROOT / "examples" / "chat_batch.jsonl"), type="string", minLength=1,
         description="The OpenAI Batch JSONL file: a local path or s3://bucket/key.",
     ),
+    # Params whose empty value means "the default" carry "null" in their type: Airflow's trigger
+    # form marks every other string field required and will not submit it empty.
     "output_uri": Param(
-        "", type="string",
+        "", type=["null", "string"],
         description="Where output.jsonl, errors.jsonl and batch.json go: a local directory or "
         "s3://bucket/prefix. Empty: a directory of this run's own, .work/outputs/<run id>.",
     ),
     "endpoint": Param(
-        "", type="string", pattern=r"^(https?://\S+)?$",
+        "", type=["null", "string"], pattern=r"^(https?://\S+)?$",
         description="Base URL of the OpenAI-compatible server (vLLM or the P/D router); must be on "
         "the deployment's allow-list and gets no API key. Empty: the inference connection's host, "
         "else http://127.0.0.1:8000.",
@@ -98,12 +100,12 @@ PARAMS = {
         "KubernetesPodOperator; cluster, image and Secrets are the deployment's: docs/dispatch.md).",
     ),
     "kubernetes_namespace": Param(
-        "", type="string",
+        "", type=["null", "string"],
         description="kubernetes mode: namespace of the driver pods. Empty: the deployment's; any other "
         "must be in [aibrix_batch] allowed_kubernetes_namespaces.",
     ),
     "kubernetes_service_account": Param(
-        "", type="string",
+        "", type=["null", "string"],
         description="kubernetes mode: service account of the driver pods. Empty: the deployment's; any "
         "other must be in [aibrix_batch] allowed_kubernetes_service_accounts.",
     ),
