@@ -42,10 +42,11 @@ system-packages:
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
-	@# chromium: the eval report's browser test renders it headless
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
-	  else echo "chromium is missing: sudo apt-get install chromium" >&2; exit 1; fi; }
+	@# chromium: the eval report's browser test renders it headless; chromium-driver: Selenium
+	@# drives it through the Airflow UI's trigger form
+	@command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "chromium-driver is missing: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi; }
 	@# prometheus, promtool, pushgateway for the metrics tests: the binaries only, unpacked under .work
 	@test -x $(PROMETHEUS)-pushgateway || { mkdir -p $(WORK)/prometheus && cd $(WORK)/prometheus && \
 	  { apt-get download prometheus prometheus-pushgateway >/dev/null 2>&1 || \
