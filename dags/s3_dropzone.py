@@ -9,6 +9,8 @@ batch.json. Design: docs/dropzone.md.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import DAG
 
@@ -20,6 +22,9 @@ with DAG(
     # A new run starts as soon as the previous ends; its wait is deferred, so an idle drop zone
     # holds a triggerer slot, no worker slot.
     schedule="@continuous",
+    # A start_date in the past: without one the first continuous run's data interval is empty,
+    # the next run gets the same logical date, and the scheduler never creates it.
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     max_active_runs=1,  # claims are made by one run at a time
     catchup=False,
     tags=["aibrix", "batch", "s3"],
