@@ -122,3 +122,25 @@ def test_batch_conf_derives_places_and_keeps_the_deployments_params():
         "output_uri": "s3://bkt/outbox/a.jsonl", "aws_conn_id": "batch_s3",
         "metadata": {"dropzone_source": "s3://bkt/inbox/a.jsonl", "dropzone_sha256": SHA_A},
     }
+
+
+def test_the_dag_waits_claims_starts_batch_inference_and_records():
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    os.environ.setdefault("AIRFLOW_HOME", str(repo / ".work" / "airflow-unit"))
+    spec = importlib.util.spec_from_file_location("s3_dropzone_dag", repo / "dags" / "s3_dropzone.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dag = module.dag
+    assert dag.max_active_runs == 1 and type(dag.timetable).__name__ == "ContinuousTimetable"
+    assert dag.start_date is not None  # else Airflow 3.3.2 never schedules a second continuous run
+    tasks = dag.task_dict
+    assert tasks["claim"].upstream_task_ids == {"wait"}
+    assert tasks["start_batch"].upstream_task_ids == {"claim"}
+    start = tasks["start_batch"].partial_kwargs
+    assert start["trigger_dag_id"] == "batch_inference" and start["skip_when_already_exists"] is True
+    assert tasks["record"].upstream_task_ids == {"start_batch"}
+    assert tasks["record"].trigger_rule == "none_failed"  # skipped starts (run exists) still recorded
