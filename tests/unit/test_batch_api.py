@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -138,6 +139,41 @@ def test_upload_streams_and_oversize_publishes_nothing(tmp_path):
         with pytest.raises(ApiError) as exc:
             asyncio.run(receive_upload(_chunks(bad_body), bad_type, store, "alpha", 10**7))
         assert exc.value.status == 400
+
+
+class _FailingWrites(LocalStorage):
+    """Local storage whose writes fail after ``limit`` bytes (a store that breaks mid-upload)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    @contextlib.contextmanager
+    def open_write(self, uri):
+        with super().open_write(uri) as fh:
+            written = [0]
+
+            class Fh:
+                def write(self, data):
+                    written[0] += len(data)
+                    if written[0] > limit:
+                        raise OSError("the store is full")
+                    return fh.write(data)
+
+            limit = self.limit
+            yield Fh()
+
+
+def test_upload_writes_in_order_off_the_event_loop_and_a_store_failure_publishes_nothing(tmp_path):
+    # Several MiB: the writes go through the writer thread's queue, and must land in order.
+    payload = b"".join(b'{"custom_id": "r%07d"}\n' % i for i in range(200_000))
+    body, ctype = _multipart(payload)
+    store = FileStore(LocalStorage(), str(tmp_path / "ok"))
+    stored = asyncio.run(receive_upload(_chunks(body, 65536), ctype, store, "alpha", 10**8))
+    assert b"".join(store.open_content("alpha", stored.id)) == payload
+    broken = FileStore(_FailingWrites(2 << 20), str(tmp_path / "broken"))
+    with pytest.raises(OSError, match="full"):
+        asyncio.run(receive_upload(_chunks(body, 65536), ctype, broken, "alpha", 10**8))
+    assert not list((tmp_path / "broken").rglob("*.json*"))  # no content, no meta, no temp file
 
 
 def test_file_store_keeps_tenants_apart(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
 from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.files import batch_output_uri
 from aibrix_operators.batch_api.status import RunSnapshot, TaskState, batch_status
 from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
@@ -28,6 +30,14 @@ from aibrix_operators.storage import Storage, StorageError, join_uri
 
 RUN_PREFIX = "openai__"
 _BINDINGS: dict[tuple[str, int], str] = {}  # (shard uri, size) → binding: shards never change
+_TERMINAL_RUN_STATES = ("success", "failed")
+# What storage says about a finished run (batch.json, cancel marker) never changes until the
+# run is cleared and ends again, with a new end_date: cached per (run id, end_date), so a page
+# of finished batches costs no storage reads after the first.
+_FINISHED: dict[tuple[str, datetime | None], tuple[dict[str, Any] | None, int | None]] = {}
+_FINISHED_MAX = 20_000
+# Storage reads of one page run side by side: each is mostly a wait on the object store.
+_READS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="batch-api-read")
 
 
 def run_id_for(tenant: str, batch_id: str) -> str:
@@ -44,6 +54,7 @@ class RunRow:
     batch_id: str
     state: str
     conf: dict[str, Any]
+    end_date: datetime | None = None
 
 
 class BatchRuns:
@@ -72,6 +83,25 @@ class BatchRuns:
         assert dag_run is not None
         return RunRow(run_id, run_id.rsplit("__", 1)[-1], str(dag_run.state), dict(dag_run.conf or {})), True
 
+    def record_cancel(self, run_id: str, at: int) -> None:
+        """Note the cancel request on the run itself (``conf[openai_batch][cancelling_at]``).
+
+        The drivers stop on the storage marker; this copy lets a page of runs that have not
+        started a task yet show ``cancelling`` without one storage read per run.
+        """
+        from airflow.models import DagRun
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            run = session.scalar(select(DagRun).where(DagRun.dag_id == self.dag_id, DagRun.run_id == run_id))
+            if run is None:
+                return
+            conf = dict(run.conf or {})
+            api = dict(conf.get(API_CONF_KEY) or {})
+            api.setdefault("cancelling_at", at)
+            run.conf = {**conf, API_CONF_KEY: api}
+
     # ------------------------------------------------------------------ read
     def get(self, run_id: str) -> RunRow | None:
         rows = self._rows([run_id], None, None, 1)
@@ -88,7 +118,7 @@ class BatchRuns:
         from sqlalchemy import select
 
         with create_session() as session:
-            query = select(DagRun.id, DagRun.run_id, DagRun.state, DagRun.conf).where(
+            query = select(DagRun.id, DagRun.run_id, DagRun.state, DagRun.conf, DagRun.end_date).where(
                 DagRun.dag_id == self.dag_id)
             if run_ids is not None:
                 query = query.where(DagRun.run_id.in_(run_ids))
@@ -101,8 +131,8 @@ class BatchRuns:
                     return []
                 query = query.where(DagRun.id < pivot)
             query = query.order_by(DagRun.id.desc()).limit(limit)
-            return [RunRow(r.run_id, r.run_id.rsplit("__", 1)[-1], str(r.state), dict(r.conf or {}))
-                    for r in session.execute(query)]
+            return [RunRow(r.run_id, r.run_id.rsplit("__", 1)[-1], str(r.state), dict(r.conf or {}),
+                           r.end_date) for r in session.execute(query)]
 
     def snapshots(self, rows: Iterable[RunRow]) -> list[RunSnapshot]:
         """Everything ``status.batch_object`` needs, with one task-instance query for all rows."""
@@ -121,21 +151,48 @@ class BatchRuns:
             for ti in session.execute(query.order_by(TaskInstance.map_index)):
                 tasks[ti.run_id].setdefault(ti.task_id, []).append(
                     TaskState(str(ti.state) if ti.state else None, _ts(ti.start_date), _ts(ti.end_date)))
-        return [self._snapshot(row, tasks[row.run_id]) for row in rows]
+        snaps = [RunSnapshot(r.batch_id, r.conf, _run_state(r.state), tasks[r.run_id]) for r in rows]
+        # Every storage read the page needs, then all of them at once.
+        wanted: dict[str, list[str]] = {}
+        for row, snap in zip(rows, snaps, strict=True):
+            cached = _FINISHED.get((row.run_id, row.end_date))
+            if cached is not None and snap.run_state in _TERMINAL_RUN_STATES:
+                snap.batch_json, snap.cancel_at = cached
+            else:
+                wanted[row.run_id] = self._storage_reads(row, snap)
+        uris = [u for reads in wanted.values() for u in reads]
+        found = dict(zip(uris, _READS.map(self._read_json, uris), strict=True)) if uris else {}
+        for row, snap in zip(rows, snaps, strict=True):
+            if row.run_id not in wanted:
+                continue
+            output = str(row.conf.get("output_uri", ""))
+            snap.cancel_at = _int_or_none((row.conf.get(API_CONF_KEY) or {}).get("cancelling_at"))
+            if wanted[row.run_id]:
+                snap.batch_json = found.get(join_uri(output, BATCH_FILE))
+                marker = found.get(cancel_marker_uri(work_prefix(output, row.run_id)))
+                if marker is not None:
+                    snap.cancel_at = _int_or_none(marker.get("at")) or snap.cancel_at
+            if snap.run_state in _TERMINAL_RUN_STATES and snap.batch_json is not None:
+                # Only a record that was read: a store hiccup (read as None) is not remembered.
+                if len(_FINISHED) >= _FINISHED_MAX:
+                    _FINISHED.clear()
+                _FINISHED[(row.run_id, row.end_date)] = (snap.batch_json, snap.cancel_at)
+            elif batch_status(snap) in ("in_progress", "cancelling", "finalizing"):
+                self._live_counts(snap, row.run_id, work_prefix(output, row.run_id))
+        return snaps
 
-    def _snapshot(self, row: RunRow, tasks: dict[str, list[TaskState]]) -> RunSnapshot:
+    def _storage_reads(self, row: RunRow, snap: RunSnapshot) -> list[str]:
+        """The objects this run's batch object depends on, ``batch.json`` and the cancel
+        marker, once one of its tasks has started: only tasks write ``batch.json``, and a
+        cancel before that is on the run (``record_cancel``). A page of queued runs costs
+        no storage read."""
         output = str(row.conf.get("output_uri", ""))
-        snap = RunSnapshot(row.batch_id, row.conf, _run_state(row.state), tasks)
         if not output.startswith(self.root + "/"):
-            return snap  # not a run this API made: show nothing from storage
-        snap.batch_json = self._read_json(join_uri(output, BATCH_FILE))
-        work = work_prefix(output, row.run_id)
-        marker = self._read_json(cancel_marker_uri(work))
-        if marker is not None:
-            snap.cancel_at = int(marker.get("at") or 0) or None
-        if batch_status(snap) in ("in_progress", "cancelling", "finalizing"):
-            self._live_counts(snap, row.run_id, work)
-        return snap
+            return []  # not a run this API made: show nothing from storage
+        started = any(t.start is not None for states in snap.tasks.values() for t in states)
+        if not started and snap.run_state not in _TERMINAL_RUN_STATES:
+            return []
+        return [join_uri(output, BATCH_FILE), cancel_marker_uri(work_prefix(output, row.run_id))]
 
     def _live_counts(self, snap: RunSnapshot, run_id: str, work: str) -> None:
         validated = self._xcom(run_id, "validate")
@@ -190,6 +247,13 @@ class BatchRuns:
 
     def output_uri(self, tenant: str, batch_id: str) -> str:
         return batch_output_uri(self.root, tenant, batch_id)
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) or None
+    except (TypeError, ValueError):
+        return None
 
 
 def _run_state(state: str) -> str:

@@ -64,6 +64,9 @@ class ApiContext:
         self._ring: dict[str, str] = {}
         self._ring_at = -KEYRING_TTL_S
         self._lock = threading.Lock()
+        # Output files this process registered or found registered: a finished batch's page
+        # view costs no storage round trip for them after the first.
+        self.registered: set[tuple[str, str]] = set()
 
     def keyring(self) -> dict[str, str]:
         # Cached briefly: a key added or revoked takes effect within KEYRING_TTL_S.
@@ -221,10 +224,12 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         current = _view(ctx, tenant, row)
         if current["status"] in TERMINAL or current["status"] == "cancelling":
             return current  # a finished batch stays as it is; a second cancel changes nothing
+        # The marker first: it is what stops the drivers; then the same request on the run.
         request_cancel(ctx.storage, work_prefix(str(row.conf["output_uri"]), row.run_id),
                        reason=f"cancelled through the Batch API by tenant {tenant}")
+        ctx.runs.record_cancel(row.run_id, int(time.time()))
         log.info("tenant %s cancelled batch %s", tenant, batch_id)
-        return _view(ctx, tenant, row)
+        return _view(ctx, tenant, _row(ctx, tenant, batch_id))
 
     return app
 
@@ -251,7 +256,12 @@ def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, 
     """Make the batch's output/error files visible as files (once; idempotent)."""
     for kind, name in (("output", "output.jsonl"), ("errors", "errors.jsonl")):
         file_id = output_file_id(batch_id, kind)
-        if file_id not in (obj["output_file_id"], obj["error_file_id"]) or ctx.files.exists(tenant, file_id):
+        if file_id not in (obj["output_file_id"], obj["error_file_id"]):
+            continue
+        if len(ctx.registered) > 100_000:
+            ctx.registered.clear()
+        if (tenant, file_id) in ctx.registered or ctx.files.exists(tenant, file_id):
+            ctx.registered.add((tenant, file_id))
             continue
         uri = join_uri(output, name)
         try:
@@ -262,3 +272,4 @@ def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, 
             id=file_id, bytes=size, created_at=int(obj.get("completed_at") or obj.get("cancelled_at")
                                                    or obj.get("expired_at") or time.time()),
             filename=f"{batch_id}_{name}", purpose="batch_output", content_uri=uri))
+        ctx.registered.add((tenant, file_id))

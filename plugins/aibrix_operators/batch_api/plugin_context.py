@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -28,7 +29,36 @@ def build_context() -> ApiContext:
         client = S3Hook(aws_conn_id=settings.aws_conn_id).get_conn()
     if not is_s3(settings.storage_root):
         os.makedirs(settings.storage_root, exist_ok=True)
-    return ApiContext(settings, storage_for(settings.storage_root, client), load_keyring)
+    context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring)
+    if conf.getboolean(SECTION, "api_gc_tuning", fallback=True):
+        tune_gc()
+    return context
+
+
+# Young-generation threshold (CPython's default is 700 allocations).
+GC_GEN0_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Keep the cyclic GC from stalling the api-server; once per process, on the first Batch
+    API request. ``api_gc_tuning = False`` in ``[aibrix_batch]`` leaves the GC as it is.
+
+    Measured by bench/batch_api.py (the stalls hit Airflow's own routes just the same):
+    the api-server holds ~700k long-lived objects (Airflow's models, FastAPI apps,
+    providers), and a full collection walked all of them: 0.3 s idle, 0.7 s under load, a
+    stall of every request in flight. ``gc.freeze`` moves them out of the collector's
+    reach (they live as long as the process anyway). What the Execution API and requests
+    build later still made a 0.2 s full collection about every second under load: with
+    the default threshold of 700, objects of requests still in flight are promoted and
+    count towards the next full collection. At 20,000 they die young instead (one full
+    collection in a whole bench run). Together: list p99 0.7 s → < 0.1 s.
+    """
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
+    log.info("Batch API: %d startup objects frozen out of the cyclic GC; thresholds %s",
+             gc.get_freeze_count(), gc.get_threshold())
 
 
 def load_keyring() -> dict[str, str]:
