@@ -3,6 +3,7 @@ one batch, however often it is seen or re-uploaded."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import uuid
@@ -16,6 +17,7 @@ from aibrix_operators.dropzone.core import (
     find_new,
     record,
 )
+from aibrix_operators.dropzone.trigger import DropZoneTrigger
 from tests.integration.conftest import TEST_BUCKET
 
 A = b'{"custom_id": "a"}\n'
@@ -135,3 +137,37 @@ def test_hidden_and_temporary_objects_are_ignored(s3, zone):
     for name in ("_SUCCESS", ".a.jsonl.part", "tmp/_staging/x.jsonl"):
         put(s3, zone, name, A)
     assert find_new(s3, zone) == []
+
+
+def _first_event(trigger: DropZoneTrigger) -> dict:
+    async def first() -> dict:
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(first())
+
+
+def test_the_trigger_fires_for_unhandled_versions_and_reports_an_unreadable_inbox(
+    s3, s3_server, zone, monkeypatch
+):
+    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
+            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    monkeypatch.setenv("AIRFLOW_CONN_DZ_S3", json.dumps(conn))
+    monkeypatch.setenv("AIRFLOW_CONN_DZ_WRONG", json.dumps({**conn, "password": "bad-secret-7f3a"}))
+
+    def trigger(conn_id: str, timeout_s: float) -> DropZoneTrigger:
+        return DropZoneTrigger(zone.inbox, zone.outbox, conn_id, poll_interval_s=0.2,
+                               timeout_s=timeout_s, max_files=10)
+
+    assert _first_event(trigger("dz_s3", 0.5)) == {"status": "timeout", "error": None}  # empty inbox
+    put(s3, zone, "a.jsonl", A)
+    put(s3, zone, "_SUCCESS", b"")
+    event = _first_event(trigger("dz_s3", 30))
+    assert event == {"status": "found", "objects": [
+        {"name": "a.jsonl", "etag": hashlib.md5(A).hexdigest(), "size": len(A)}]}  # noqa: S324
+    claim_all(s3, zone)
+    assert _first_event(trigger("dz_s3", 0.5)) == {"status": "timeout", "error": None}
+    failed = _first_event(trigger("dz_wrong", 0.5))
+    assert failed["status"] == "timeout" and "SignatureDoesNotMatch" in failed["error"], failed
+    assert "bad-secret-7f3a" not in failed["error"]  # the error names no secret

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -144,3 +145,43 @@ def test_the_dag_waits_claims_starts_batch_inference_and_records():
     assert start["trigger_dag_id"] == "batch_inference" and start["skip_when_already_exists"] is True
     assert tasks["record"].upstream_task_ids == {"start_batch"}
     assert tasks["record"].trigger_rule == "none_failed"  # skipped starts (run exists) still recorded
+
+
+def test_sensor_unconfigured_waits_then_fails_with_the_keys_to_set(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+    from aibrix_operators.dropzone.operators import DropZoneSensor
+
+    for key in ("INBOX", "OUTBOX"):
+        monkeypatch.delenv(f"AIRFLOW__AIBRIX_DROPZONE__{key}", raising=False)
+    sensor = DropZoneSensor(task_id="wait")
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert deferred.value.method_name == "not_configured"
+    wait = deferred.value.trigger.moment - datetime.now(UTC)
+    assert timedelta(minutes=59) < wait <= DropZoneSensor.NOT_CONFIGURED_WAIT  # not a tight loop
+    with pytest.raises(AirflowFailException, match=r"set inbox and outbox in the \[aibrix_dropzone\]"):
+        getattr(sensor, deferred.value.method_name)({}, event=None, **deferred.value.kwargs)
+
+
+def test_sensor_defers_to_the_inbox_trigger_with_the_deployments_settings(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
+
+    from aibrix_operators.dropzone.operators import DropZoneSensor
+
+    monkeypatch.setenv("AIRFLOW__AIBRIX_DROPZONE__INBOX", "s3://bkt/inbox")
+    monkeypatch.setenv("AIRFLOW__AIBRIX_DROPZONE__OUTBOX", "s3://bkt/outbox")
+    monkeypatch.setenv("AIRFLOW__AIBRIX_DROPZONE__POLL_INTERVAL_S", "5")
+    sensor = DropZoneSensor(task_id="wait")
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    _, kwargs = deferred.value.trigger.serialize()
+    assert {k: kwargs[k] for k in ("inbox", "outbox", "aws_conn_id", "poll_interval_s", "max_files")} == {
+        "inbox": "s3://bkt/inbox/", "outbox": "s3://bkt/outbox/", "aws_conn_id": None,
+        "poll_interval_s": 5.0, "max_files": 32}
+    found = [{"name": "a.jsonl", "etag": "e1", "size": 10}]
+    assert sensor.execute_complete({}, {"status": "found", "objects": found}) == found
+    with pytest.raises(AirflowSkipException):
+        sensor.execute_complete({}, {"status": "timeout", "error": None})
+    with pytest.raises(AirflowFailException, match="could not be listed: ClientError: denied"):
+        sensor.execute_complete({}, {"status": "timeout", "error": "ClientError: denied"})

@@ -37,8 +37,10 @@ def _s3_client(aws_conn_id: str | None) -> Any:
 class DropZoneSensor(BaseOperator):
     """Defers to ``DropZoneTrigger`` (no worker slot while waiting); returns the unhandled object
     versions it found. Nothing new within ``wait_timeout_s``: skipped, and the next run of the
-    continuous DAG waits again. Not configured: waits out ``wait_timeout_s`` too, then fails with
-    what to set (so an unconfigured drop zone fails once per wait, not in a tight loop)."""
+    continuous DAG waits again. Not configured: waits an hour (deferred), then fails with what to
+    set, so an unpaused, unconfigured drop zone fails once an hour, not in a tight loop."""
+
+    NOT_CONFIGURED_WAIT = timedelta(hours=1)
 
     ui_color = "#e8f4ea"
 
@@ -49,7 +51,7 @@ class DropZoneSensor(BaseOperator):
             from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
 
             log.error("%s", exc)
-            self.defer(trigger=TimeDeltaTrigger(timedelta(hours=1)), method_name="not_configured",
+            self.defer(trigger=TimeDeltaTrigger(self.NOT_CONFIGURED_WAIT), method_name="not_configured",
                        kwargs={"message": str(exc)})
         log.info("watching %s (results under %s), polling every %gs for up to %gs",
                  settings.zone.inbox, settings.zone.outbox, settings.poll_interval_s,
@@ -103,13 +105,17 @@ class ClaimDropsOperator(BaseOperator):
 
 
 class RecordClaimsOperator(BaseOperator):
-    """After every ``start_batch`` ended without failing (created, or skipped because the run
-    already existed): writes each claim's record and seen marker. If any start failed this does
-    not run; those objects are claimed again next time, and the deterministic run id keeps the
-    ones that did start from starting twice."""
+    """Once every ``start_batch`` ended without failing (created, or skipped because the run
+    already existed): writes the record and seen marker of each of ``claim_task_id``'s claims.
+    If any start failed this does not run; those objects are claimed again next time, and the
+    deterministic run id keeps the ones that did start from starting twice."""
+
+    def __init__(self, *, claim_task_id: str = "claim", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.claim_task_id = claim_task_id
 
     def execute(self, context: Context) -> int:
-        claims = context["ti"].xcom_pull(task_ids="claim", key=CLAIMS_KEY) or []
+        claims = context["ti"].xcom_pull(task_ids=self.claim_task_id, key=CLAIMS_KEY) or []
         if not claims:
             raise AirflowSkipException("no new claims")
         settings = load_settings()
