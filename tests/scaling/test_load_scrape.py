@@ -86,28 +86,28 @@ async def test_tick_trigger_says_why_load_is_missing(configured: ScalingCluster)
 
 
 def test_autoscale_feeds_the_scraped_load_to_the_policy(configured: ScalingCluster,  # noqa: F811
-                                                       tmp_path: Path) -> None:
-    """8 decode replicas, little work left: without load the role scales down to its floor;
-    with a long queue in vLLM (saturated) it is held, and the decision says what it saw."""
+                                                       servers: MetricsServers, tmp_path: Path) -> None:
+    """8 decode replicas, little work left. vLLM says the role is saturated (a long queue, KV
+    nearly full): the first decision, scraped by the task itself, holds all 8 and records what
+    it saw. A later tick whose trigger saw a calm role scales down to the floor."""
     configured.store.remove(STORMSERVICES, NS, "llm")
     configured.add(STORMSERVICES, NS, storm_service("llm", 2, 8, {"prefill": 2, "decode": 8}))
+    for i in range(2):  # rank 0 of two TP groups (gang_size 2: only rank 0 serves /metrics)
+        add_pod(configured.store, NS, role_pod(f"decode-g{i}-0", "decode", servers.serve(
+            vllm_metrics(running=128, waiting=200, kv_usage=0.97))))
     validated, shards, _ = batch(tmp_path, 4, window_s=3600.0)
     op = AutoscaleSensor(task_id="autoscale", validated=validated, shards=shards, execution_mode="kubernetes")
     ti = FakeTI()
     ctx: dict[str, Any] = {"run_id": "run_1", "ti": ti}
     with pytest.raises(TaskDeferred) as first:
         op.execute(ctx)
-    trigger = first.value.trigger
-    assert isinstance(trigger, AutoscaleTickTrigger) and trigger.moment <= time.time()
-    assert {s["role"] for s in trigger.sources} == {"prefill", "decode"}
-
-    saturated = {"decode": RoleLoad(pods=8, running=256, waiting=400, kv_usage=0.97).as_dict(),
-                 "prefill": RoleLoad(pods=2).as_dict()}
-    with pytest.raises(TaskDeferred):
-        op.tick(ctx, event={"status": "tick", "load": saturated}, state={})
     d = ti.xcom[DECISIONS_KEY]["decode"][-1]
     assert d["saturated"] and d["reason"] == "hold_saturated" and d["desired_replicas"] == 8
     assert (d["inputs"]["waiting"], d["inputs"]["running"], d["inputs"]["kv_usage"]) == (400, 256, 0.97)
+    trigger = first.value.trigger
+    assert isinstance(trigger, AutoscaleTickTrigger) and {s["role"] for s in trigger.sources} == {
+        "prefill", "decode"}
+    assert trigger.moment >= time.time() + 9  # the interval, at least MIN_INTERVAL_S
 
     calm = {"decode": RoleLoad(pods=8, running=3).as_dict(), "prefill": RoleLoad(pods=2).as_dict()}
     with pytest.raises(TaskDeferred):

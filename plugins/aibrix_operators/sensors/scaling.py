@@ -8,7 +8,8 @@ dispatch tasks after it run as before) and ``autoscale`` / ``scale_down`` skip.
 * ``RolesReadySensor``: applies the policy's first decision (the deadline floor for the
   whole batch), then defers to ``RolesReadyTrigger`` until every role has at least one
   ready pod group.
-* ``AutoscaleSensor``: beside the dispatch tasks; every ``interval_s`` the
+* ``AutoscaleSensor``: beside the dispatch tasks; it decides once at its start (scraping
+  the load itself), then every ``interval_s`` (at least ``MIN_INTERVAL_S``) the
   ``AutoscaleTickTrigger`` wakes it with a fresh scrape of each role's vLLM ``/metrics``
   (running / waiting requests, KV cache usage); it reads the drivers' progress, decides
   per role, applies the changes, logs each decision (one JSON line), pushes the last
@@ -25,6 +26,7 @@ dispatch tasks after it run as before) and ``autoscale`` / ``scale_down`` skip.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -49,11 +51,16 @@ from aibrix_operators.scaling.policy import (
     decide,
 )
 from aibrix_operators.scaling.progress import ProgressTracker, RequestProfile, sample_profile
-from aibrix_operators.triggers.scaling import AutoscaleTickTrigger, RolesReadyTrigger
+from aibrix_operators.triggers.scaling import AutoscaleTickTrigger, RolesReadyTrigger, scrape_load
 
 log = logging.getLogger(__name__)
 DECISIONS_KEY = "scaling_decisions"
 KEEP_DECISIONS = 10  # per role, in the XCom and the deferral's state
+# The shortest wait between ticks. A deferred task that resumes before the executor has
+# reported the end of its previous run is marked failed by the scheduler ("finished
+# although the task says it's running": same try number); on a loaded worker that report
+# took 5 s here. Decisions every 10 s are far finer than any role's start-up anyway.
+MIN_INTERVAL_S = 10.0
 # Dispatch task states after which that shard will not make progress any more.
 FINISHED = ("success", "failed", "upstream_failed", "skipped", "removed")
 # Permanent answers: retrying at the next tick cannot help.
@@ -143,9 +150,11 @@ class AutoscaleSensor(BaseOperator):
         settings = _active_settings(self.execution_mode)
         if settings is None:
             raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
-        # The first decision, too, comes with a fresh scrape of the roles' load.
-        self._defer(settings, {}, delay_s=0.0)
-        raise AssertionError("defer() raises")  # pragma: no cover
+        # The first decision is made here, with a scrape of its own: deferring for it at once
+        # would resume the task before the executor has reported this run's end, which the
+        # scheduler takes for a task killed externally (see MIN_INTERVAL_S).
+        load = asyncio.run(scrape_load(_sources(settings), settings.kubernetes_conn_id))
+        return self.tick(context, event={"status": "tick", "load": load}, state={})
 
     def tick(
         self, context: Context, event: Any = None, state: dict[str, Any] | None = None
@@ -238,11 +247,18 @@ class AutoscaleSensor(BaseOperator):
         self.defer(
             trigger=AutoscaleTickTrigger(
                 moment=time.time() + delay_s, kubernetes_conn_id=settings.kubernetes_conn_id,
-                sources=[rs.metrics.__dict__ for rs in settings.roles.values()]),
+                sources=_sources(settings)),
             method_name="tick", kwargs={"state": state})
 
     def _interval(self, settings: ScalingSettings) -> float:
-        return self.interval_s if self.interval_s is not None else settings.interval_s
+        interval = self.interval_s if self.interval_s is not None else settings.interval_s
+        if interval < MIN_INTERVAL_S:
+            log.warning("autoscale interval %ss raised to %ss", interval, MIN_INTERVAL_S)
+        return max(interval, MIN_INTERVAL_S)
+
+
+def _sources(settings: ScalingSettings) -> list[dict[str, Any]]:
+    return [rs.metrics.__dict__ for rs in settings.roles.values()]
 
 
 def _run_id(context: Context) -> str:

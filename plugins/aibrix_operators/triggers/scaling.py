@@ -87,17 +87,23 @@ class AutoscaleTickTrigger(BaseTrigger):
             "kubernetes_conn_id": self.kubernetes_conn_id, "scrape_timeout_s": self.scrape_timeout_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
-
         delay = self.moment - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        sources = [MetricsSource(**s) for s in self.sources]
-        try:
-            async with AsyncKubernetesHook(conn_id=self.kubernetes_conn_id).get_conn() as api:
-                loads = await scrape_roles(api, sources, self.scrape_timeout_s)
-            load = {role: v.as_dict() for role, v in loads.items()}
-        except Exception as exc:  # noqa: BLE001 - no cluster config etc.: decide without load
-            why = f"{type(exc).__name__}: {exc}"
-            load = {s.role: RoleLoad(error=why).as_dict() for s in sources}
+        load = await scrape_load(self.sources, self.kubernetes_conn_id, self.scrape_timeout_s)
         yield TriggerEvent({"status": "tick", "at": time.time(), "load": load})
+
+
+async def scrape_load(sources: list[dict[str, Any]], kubernetes_conn_id: str,
+                      timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """``{role: RoleLoad.as_dict()}`` through the Airflow ``kubernetes`` connection; never raises."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
+
+    roles = [MetricsSource(**s) for s in sources]
+    try:
+        async with AsyncKubernetesHook(conn_id=kubernetes_conn_id).get_conn() as api:
+            loads = await scrape_roles(api, roles, timeout_s)
+        return {role: v.as_dict() for role, v in loads.items()}
+    except Exception as exc:  # noqa: BLE001 - no cluster config etc.: decide without load
+        why = f"{type(exc).__name__}: {exc}"
+        return {s.role: RoleLoad(error=why).as_dict() for s in roles}
