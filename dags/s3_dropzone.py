@@ -9,7 +9,7 @@ batch.json. Design: docs/dropzone.md.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import DAG
@@ -29,8 +29,11 @@ with DAG(
     catchup=False,
     tags=["aibrix", "batch", "s3"],
     doc_md=__doc__,
+    # An S3 fault during claim/record is retried; if it lasts, the run fails and the continuous
+    # schedule starts the next one, so the retries also pace a drop zone that cannot write.
+    default_args={"retries": 2, "retry_delay": timedelta(seconds=30)},
 ) as dag:
-    wait = DropZoneSensor(task_id="wait")
+    wait = DropZoneSensor(task_id="wait", retries=0)  # its own wait already spans the failures
     claim = ClaimDropsOperator(task_id="claim", objects=wait.output)
     start_batch = TriggerDagRunOperator.partial(
         task_id="start_batch",

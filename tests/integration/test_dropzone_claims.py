@@ -171,3 +171,17 @@ def test_the_trigger_fires_for_unhandled_versions_and_reports_an_unreadable_inbo
     failed = _first_event(trigger("dz_wrong", 0.5))
     assert failed["status"] == "timeout" and "SignatureDoesNotMatch" in failed["error"], failed
     assert "bad-secret-7f3a" not in failed["error"]  # the error names no secret
+
+
+def test_a_drop_beyond_the_copy_limit_is_read_in_place(s3, zone, monkeypatch):
+    from aibrix_operators.dropzone import core
+
+    monkeypatch.setattr(core, "COPY_LIMIT_BYTES", len(A) - 1)  # stands for S3's 5 GiB
+    put(s3, zone, "big.jsonl", A)
+    [outcome] = claim_all(s3, zone)
+    assert outcome.status == "new" and outcome.claim.input_uri == zone.inbox + "big.jsonl"
+    assert s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=_key_of(zone.state + "inputs/")).get("KeyCount") == 0
+
+
+def _key_of(uri: str) -> str:
+    return uri[len(f"s3://{TEST_BUCKET}/"):]

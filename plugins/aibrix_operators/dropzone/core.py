@@ -34,6 +34,9 @@ from aibrix_operators.storage import split_s3_uri
 STATE_DIR = "_dropzone"
 RUN_ID_PREFIX = "dropzone__"
 HASH_CHUNK_BYTES = 1024 * 1024
+# S3's single CopyObject limit. A bigger drop is read in place (no snapshot); with the batch's
+# default max_file_bytes (200 MB) it fails validation as file_too_large like any other trigger.
+COPY_LIMIT_BYTES = 5 * 1024**3
 # DAG params the drop zone derives itself; a deployment's dag_conf may not set them.
 DERIVED_PARAMS = frozenset({"input_uri", "output_uri", "aws_conn_id", "metadata"})
 
@@ -260,7 +263,8 @@ def claim(client: Any, zone: DropZone, obj: InboxObject) -> ClaimOutcome:
             run_id = str(_read_json(client, claim_uri).get("run_id"))
             mark_seen(client, zone, obj, {"sha256": sha256, "duplicate_of": run_id})
             return ClaimOutcome("duplicate", obj, run_id=run_id, sha256=sha256)
-        input_uri = _snapshot(client, zone, obj, sha256)
+        input_uri = (_snapshot(client, zone, obj, sha256) if obj.size <= COPY_LIMIT_BYTES
+                     else zone.source_uri(obj.name))
     except ClientError as exc:
         if _error_code(exc) in _CHANGED:
             return ClaimOutcome("changed", obj)
