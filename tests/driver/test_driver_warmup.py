@@ -85,7 +85,7 @@ async def run(tmp_path: Path, recorder: Recorder, records: list[dict[str, Any]],
     shard = write_shard(tmp_path, records, grouped)
     config = DriverConfig(endpoint=recorder.url, concurrency=8, api_key_env=None, flush_interval_s=0.05,
                           progress_interval_s=60)  # fmt: skip
-    outcome = await run_shard(storage, shard, str(tmp_path / "results"), config, **kwargs)
+    outcome = await run_shard(storage, shard, str(tmp_path / "results"), config, warm_up=True, **kwargs)
     seen: dict[str, dict[str, Any]] = {}
     for cid, line in shard_result_log(storage, str(tmp_path / "results"), shard).iter_records():
         assert cid not in seen, f"{cid} answered twice"
@@ -114,6 +114,15 @@ async def test_without_grouping_the_group_goes_out_at_once(tmp_path, recorder) -
     # The same lines in a shard without a .lines file (not split in prefix order): unchanged
     # behaviour, so followers arrive while the leader is still computing.
     await run(tmp_path, recorder, grouped_records(), grouped=False)
+    assert any(recorder.arrived[f"A{k}"] < recorder.answered["A0"] for k in range(1, 6))
+
+
+async def test_warm_up_is_off_unless_asked_for(tmp_path, recorder) -> None:
+    storage = LocalStorage()
+    shard = write_shard(tmp_path, grouped_records(), grouped=True)
+    config = DriverConfig(endpoint=recorder.url, concurrency=8, api_key_env=None, progress_interval_s=60)
+    outcome = await run_shard(storage, shard, str(tmp_path / "results"), config)
+    assert outcome.completed == 13
     assert any(recorder.arrived[f"A{k}"] < recorder.answered["A0"] for k in range(1, 6))
 
 

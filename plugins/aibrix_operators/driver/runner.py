@@ -99,15 +99,16 @@ async def run_shard(
     config: DriverConfig,
     total: int | None = None,
     name: str | None = None,
-    warm_up: bool | None = None,
+    warm_up: bool = False,
     warmup_wait_s: float = DEFAULT_WAIT_S,
 ) -> ShardOutcome:
     """Answer every request of the shard exactly once in the result log under ``results_prefix``.
 
     Requests already in the log (from an interrupted earlier run) are skipped. ``warm_up``
     holds each prefix group's followers until its first request is answered (at most
-    ``warmup_wait_s``; driver/warmup.py); None turns it on for a shard split in prefix order
-    (one with a ``.lines`` file).
+    ``warmup_wait_s``; driver/warmup.py), in a shard split in prefix order (one with a ``.lines``
+    file). Off by default: against vLLM it measured slower than sending the group at once
+    (docs/prefix-batching.md, section 5).
     """
     name = name or shard_uri.rsplit("/", 1)[-1]
     started = time.monotonic()
@@ -122,7 +123,7 @@ async def run_shard(
         storage, results_prefix, fingerprint.binding, config.flush_interval_s, config.flush_every
     )
     done, done_failed = await asyncio.to_thread(result_log.scan)
-    if warm_up is None:
+    if warm_up:
         warm_up = await asyncio.to_thread(storage.exists, lines_uri(shard_uri))
     outcome = ShardOutcome(shard=name, total=total, resumed=len(done), resumed_failed=done_failed,
                            attempt_id=result_log.attempt_id)
