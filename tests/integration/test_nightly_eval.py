@@ -138,3 +138,8 @@ def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
     assert mc_pushed == mc["interval"]["mean"]
     # every request of the four nights' batches, whichever processes ran the shards
     assert pushed(gateway, "aibrix_driver_requests_total", job="aibrix_driver", outcome="completed") == 700
+    # ...and each night's batch pushed its own gauges from its tasks (one group per batch)
+    assert pushed(gateway, "aibrix_batch_phase", job="aibrix_batch", phase="completed") == 4
+    assert pushed(gateway, "aibrix_batch_requests_completed", job="aibrix_batch") == 700
+    assert pushed(gateway, "aibrix_batch_shards_done", job="aibrix_batch") == pushed(
+        gateway, "aibrix_batch_shards", job="aibrix_batch")
