@@ -302,7 +302,9 @@ def phase_upload(dep: Deployment, mb: int, rounds: int) -> dict:
               f"{len(sampler.samples)} samples)", flush=True)
         client.files.delete(stored.id)
     path.unlink()
+    ratios = [a / b for a, b in zip(results["api_mb_s"], results["boto3_mb_s"], strict=True)]
     return {"bytes": size, **{k: statistics.median(v) for k, v in results.items()},
+            "ratio": statistics.median(ratios),
             "rss_growth_max_mb": max(results["rss_growth_mb"]), "rounds": results}
 
 
@@ -446,18 +448,21 @@ def phase_get(dep: Deployment, batches: int, requests: int, list_requests: int, 
                   f"max {s['max_ms']:7.1f} ms  {s['rps']:6.1f} req/s", flush=True)
     medians = {name: {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
                for name, summaries in runs.items()}
+    for name, summaries in runs.items():
+        medians[name]["p99_worst_ms"] = max(s["p99_ms"] for s in summaries)
     return {"batches_on_record": len(listed), "create_per_s": len(created) / create_s,
             "concurrency": concurrency, **medians}
 
 
 # ---------------------------------------------------------------- report
 def report(results: dict) -> list[str]:
-    lines = ["", "| measurement | result | baseline (same run) | target | met |", "|---|---|---|---|---|"]
+    lines = ["", "| measurement | result (median of rounds) | baseline (same run) | target | met |",
+             "|---|---|---|---|---|"]
     if "upload" in results:
         u = results["upload"]
         lines.append(f"| upload {u['bytes'] / MB:.0f} MB, `POST /v1/files` (openai SDK) → SeaweedFS | "
                      f"{u['api_mb_s']:.1f} MB/s | boto3 `upload_file` {u['boto3_mb_s']:.1f} MB/s "
-                     f"(API = {u['api_mb_s'] / u['boto3_mb_s']:.2f}x) | ≥ 50 MB/s | "
+                     f"(API = {u['ratio']:.2f}x, median of per-round ratios) | ≥ 50 MB/s | "
                      f"{'yes' if u['api_mb_s'] >= 50 else 'NO'} |")
         lines.append(f"| api-server RSS growth during the upload (peak − before) | "
                      f"{u['rss_growth_mb']:.1f} MB (max of rounds {u['rss_growth_max_mb']:.1f}) | "
@@ -477,7 +482,8 @@ def report(results: dict) -> list[str]:
                 continue
             s, b = g[name], g[base]
             lines.append(f"| {what}, {g['batches_on_record']} on record, {c} clients | "
-                         f"p99 {s['p99_ms']:.1f} ms (p50 {s['p50_ms']:.1f}, {s['rps']:.0f} req/s) | "
+                         f"p99 {s['p99_ms']:.1f} ms (worst round {s['p99_worst_ms']:.0f}; "
+                         f"p50 {s['p50_ms']:.1f}, {s['rps']:.0f} req/s) | "
                          f"Airflow REST p99 {b['p99_ms']:.1f} ms (p50 {b['p50_ms']:.1f}) | "
                          f"p99 < {target} ms | {'yes' if s['p99_ms'] < target else 'NO'} |")
     if "cancel" in results:
