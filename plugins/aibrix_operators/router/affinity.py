@@ -36,7 +36,7 @@ BLOCK_BYTES = 512
 MAX_BLOCKS = 128
 # Instances remembered per block: a hot prefix spread over several instances keeps them all.
 HOLDERS = 4
-DEFAULT_ENTRIES = 200_000  # ~25 MB of map at most; ~100 MB of prompt bytes remembered
+DEFAULT_ENTRIES = 200_000  # ~40 MB of index at most (tracemalloc); ~100 MB of prompt bytes remembered
 DEFAULT_SLACK = 8.0
 
 HIT, MISS, OVERLOADED = "hit", "miss", "overloaded"
