@@ -8,7 +8,8 @@ shapes the prompt (``prompt``/``messages``, chat template options, ``cache_salt`
 ``add_special_tokens``...) untouched, and the prefill body only changes what is generated.
 ``kv_transfer_params`` follow vLLM's P/D convention (``do_remote_decode`` on the prefill,
 whatever the prefill returns handed to decode), so connectors that identify transfers by
-id (NIXL and the like) work through the same router; ours returns none and needs none.
+id (NIXL and the like) work through the same router. Ours returns the chunks the prefill
+stored (``kvcache.handoff``): the decode instance waits until the shared tier holds them.
 """
 
 from __future__ import annotations
