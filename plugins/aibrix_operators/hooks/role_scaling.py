@@ -5,7 +5,7 @@ DAG params: which workloads a run may resize is the deployment's call):
 
 * ``roles``: JSON, see ``aibrix_operators.scaling.config``; unset = nothing to scale;
 * ``kubernetes_conn_id`` (default ``kubernetes_default``), ``namespace`` (default ``default``);
-* ``interval_s``: seconds between the autoscaler's decisions (default 60);
+* ``interval_s``: seconds between the autoscaler's decisions (default 60, at least 10);
 * ``pushgateway``: optional Prometheus Pushgateway address for the decision metrics.
 """
 
