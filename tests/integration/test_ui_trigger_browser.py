@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -88,26 +88,21 @@ def _value(driver: WebDriver, param: str) -> str:
     return driver.find_element(By.ID, f"element_{param}").get_attribute("value") or ""
 
 
-def _fill(driver: WebDriver, param: str, value: str, attempts: int = 3) -> None:
-    """Replace a form field's value with keystrokes, as a user would (React sees each change).
+def _fill(driver: WebDriver, param: str, value: str) -> None:
+    """Replace a form field's value by typing it, one key after the other took effect.
 
-    On a busy machine a re-render of the form (it keeps the fields and its JSON view in sync) can
-    swallow a keystroke; the value is read back and typed again until it is exactly ``value``.
+    Airflow 3.3's form keeps every field in sync with its JSON view; keys sent faster than a
+    person types lose one now and then (seen: "input.jsonl" became "iput.jsonl", with React's
+    "maximum update depth" error in the console), so each key waits for the field to show it.
     """
-    for _ in range(attempts):
-        field = WebDriverWait(driver, UI_WAIT_S).until(
-            EC.element_to_be_clickable((By.ID, f"element_{param}")))
-        field.send_keys(Keys.CONTROL, "a")
-        field.send_keys(Keys.DELETE)
-        field.send_keys(value)
-        try:
-            WebDriverWait(driver, 5, ignored_exceptions=(StaleElementReferenceException,)).until(
-                lambda d: _value(d, param) == value)
-            return
-        except TimeoutException:
-            continue
-    raise AssertionError(f"field {param} reads {_value(driver, param)!r} after {attempts} tries, "
-                         f"not {value!r}")
+    field = WebDriverWait(driver, UI_WAIT_S).until(EC.element_to_be_clickable((By.ID, f"element_{param}")))
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(Keys.DELETE)
+    typing = WebDriverWait(driver, 10, ignored_exceptions=(StaleElementReferenceException,))
+    typing.until(lambda d: _value(d, param) == "")
+    for i, key in enumerate(value, start=1):
+        driver.find_element(By.ID, f"element_{param}").send_keys(key)
+        typing.until(lambda d, n=i: _value(d, param) == value[:n])
 
 
 def _run_state(driver: WebDriver) -> str | None:
@@ -147,9 +142,7 @@ def test_trigger_form_runs_a_batch(airflow, vllm_chat, browser, tmp_path):
                   "endpoint": vllm_chat.base_url, "model": SERVED_NAME}
         for param, value in fields.items():
             _fill(browser, param, value)
-        for param, value in fields.items():  # all still as typed (a late re-render undoes none)
-            if _value(browser, param) != value:
-                _fill(browser, param, value)
+        assert {param: _value(browser, param) for param in fields} == fields
         # kubernetes_namespace / kubernetes_service_account stay empty ("the deployment's"): the
         # form must accept that, which it does only because their type admits null.
         submit = browser.find_element(By.CSS_SELECTOR, "[data-testid=trigger-dag-submit]")
