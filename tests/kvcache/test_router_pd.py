@@ -3,13 +3,9 @@ kv_consumer (decode) that share only the kvcache Redis tier.
 
 Through the router, greedy output equals a single server's (the producer answering the
 whole request itself: a producer never loads, so it computes every token), and the decode
-side reports the handed-off prompt as loaded by the connector.
-
-The producer writes Redis behind the request (kvcache's write-behind queue) and gives no
-signal when a prompt's chunks are stored, so a decode call that arrives first loads only the
-chunks already written (measured here: 128 to 2,816 of 512 to 2,944 loadable tokens) and
-recomputes the rest. The first pass therefore checks output only; the second pass of the same
-request, once Redis holds every chunk, must load every loadable token.
+side loads the whole handed-off prompt on the first pass: the producer writes Redis behind
+the request, but its answer names the chunks it stores (``kv_transfer_params``, which the
+router passes to decode) and the consumer's lookup stays pending until Redis holds them.
 """
 
 from __future__ import annotations
@@ -116,55 +112,46 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], chat: bool = False) 
     assert max(abs(a - b) for a, b in zip(lg, lw, strict=True)) <= LOGPROB_TOL
 
 
-def _wait_for_keys(redis_srv: RedisServer, count: int) -> None:
-    client = redis_srv.client()
-    deadline = time.monotonic() + 30
-    while client.dbsize() < count and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.dbsize() >= count
+def _loaded(decode_metrics: int) -> float:
+    return scrape(decode_metrics)["kvcache_tokens_loaded_total"]
 
 
 def test_router_output_equals_a_single_server_and_decode_loads_the_prompt(pd_router) -> None:
-    router, single, decode_metrics, redis_srv = pd_router
-    loaded = 0
-    keys = redis_srv.client().dbsize()
-    for i, n in enumerate((1100, 600)):
+    router, single, decode_metrics, _ = pd_router
+    first_passes: list[tuple[int, int]] = []  # (tokens the decode side loaded, loadable)
+    for i, n in enumerate((1100, 600, 2000)):
         body = {"model": single.model, "prompt": random_prompt(n, seed=4200 + i), "max_tokens": 12,
                 "temperature": 0.0, "seed": 0, "logprobs": 1}  # fmt: skip
-        first = router.post("/v1/completions", body)
+        before = _loaded(decode_metrics)
+        routed = router.post("/v1/completions", body)
         loadable = (n - 1) // BLOCK * BLOCK  # every full chunk short of the last prompt token
-        assert 0 <= cached_tokens(first) <= loadable  # whatever the write-behind had stored
-        keys += n // BLOCK * LAYERS  # the producer saves every full chunk, layer by layer
-        _wait_for_keys(redis_srv, keys)
-        second = router.post("/v1/completions", body)
-        assert cached_tokens(second) == loadable
-        loaded += cached_tokens(first) + cached_tokens(second)
+        first_passes.append((int(_loaded(decode_metrics) - before), loadable))
         direct = single.complete(body["prompt"], max_tokens=12)
         assert cached_tokens(direct) == 0
-        _assert_same(first, direct)
-        _assert_same(second, direct)
+        _assert_same(routed, direct)
     chat = {"model": single.model, "max_tokens": 10, "temperature": 0.0, "seed": 0, "logprobs": True,
             "messages": [{"role": "user", "content": "routers and caches " * 120}]}  # fmt: skip
-    first = router.post("/v1/chat/completions", chat)
-    prompt_tokens = first["usage"]["prompt_tokens"]
-    keys += prompt_tokens // BLOCK * LAYERS
-    _wait_for_keys(redis_srv, keys)
+    before = _loaded(decode_metrics)
     routed = router.post("/v1/chat/completions", chat)
     # Both calls render the same chat template on the same tokenizer: the same token ids.
-    assert cached_tokens(routed) == (prompt_tokens - 1) // BLOCK * BLOCK >= BLOCK
-    loaded += cached_tokens(first) + cached_tokens(routed)
+    loadable = (routed["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK
+    assert loadable >= BLOCK
+    first_passes.append((int(_loaded(decode_metrics) - before), loadable))
+    # vLLM's P/D convention: a decode answer reports the prefill side's cache hits (none here).
+    assert cached_tokens(routed) == 0
     req = urllib.request.Request(single.url + "/v1/chat/completions", data=json.dumps(chat).encode(),
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=300) as r:
         _assert_same(routed, json.loads(r.read()), chat=True)
     m = scrape(decode_metrics)
-    # The connector on the decode side loaded what the responses report as cached.
-    assert m["kvcache_tokens_loaded_total"] == loaded
-    # First passes hit Redis; the consumer keeps what it loaded in its L1, where the second
-    # passes find it.
-    hits = {k: v for k, v in m.items() if k.startswith("kvcache_hit_chunks_total{")}
-    assert hits["kvcache_hit_chunks_total{tier=l2}"] > 0
-    assert sum(hits.values()) * BLOCK == loaded
+    print(  # the README's figures (pytest -s)
+        "decode side, loaded of loadable tokens on first passes:", first_passes,
+        "; pending ms per handoff: %.1f" % (1e3 * m["kvcache_handoff_wait_seconds_sum"] / len(first_passes)),
+    )  # fmt: skip
+    # The whole handoff on every first pass, not what the write-behind happened to have stored.
+    assert all(loaded == loadable for loaded, loadable in first_passes)
+    assert m["kvcache_handoffs_total{outcome=complete}"] == len(first_passes)
+    assert m["kvcache_hit_chunks_total{tier=l2}"] * BLOCK == sum(lo for lo, _ in first_passes)
 
 
 def test_router_streams_and_reports_its_metrics(pd_router) -> None:
