@@ -99,7 +99,7 @@ class KVCacheScheduler:
             return 0
         # Leave at least one prompt token to compute: vLLM needs logits for it.
         usable = min(len(hashes), (len(prompt) - 1) // self.chunk)
-        expected = self._handoff_chunks(req_id, hashes, usable, handoff)
+        expected = self._handoff_chunks(req_id, hashes, usable, handoff, num_computed_tokens)
         if expected and not self.handoffs.poll_due(req_id):
             return None
         hit, reachable = self._leading_hits(hashes[:usable])
@@ -120,7 +120,9 @@ class KVCacheScheduler:
         metrics.SCHED_HIT_TOKENS.inc(matched)
         return matched
 
-    def _handoff_chunks(self, req_id: str, hashes: list[str], usable: int, handoff: Handoff | None) -> int:
+    def _handoff_chunks(
+        self, req_id: str, hashes: list[str], usable: int, handoff: Handoff | None, num_computed: int
+    ) -> int:
         """How many leading chunks to wait for (0: no wait)."""
         if handoff is None or self.l2 is None or not self.handoffs.wanted(req_id):
             return 0
@@ -131,7 +133,12 @@ class KVCacheScheduler:
             self._handoff_events.append(("mismatch", 0.0))
             self.handoffs.resolve(req_id)
             return 0
-        return min(handoff.chunks, usable)
+        expected = min(handoff.chunks, usable)
+        if num_computed >= expected * self.chunk:
+            # vLLM's own prefix cache already holds all of it: nothing to wait for.
+            self.handoffs.resolve(req_id)
+            return 0
+        return expected
 
     def _leading_hits(self, hashes: list[str]) -> tuple[int, bool]:
         """Leading chunks stored in L1 or L2, and whether L2 answered (False: it is down)."""

@@ -195,6 +195,8 @@ def test_no_wait_for_another_prompt_a_down_tier_or_no_l2(tmp_path) -> None:
     assert no_l2.num_matched_tokens("d", PROMPT, 0, handoff=handoff) == 0
     off, _ = _scheduler(FilesystemStore(str(tmp_path / "off")), wait_s=0.0)
     assert off.num_matched_tokens("e", PROMPT, 0, handoff=handoff) == 0
+    # vLLM's own prefix cache already covers the handoff: nothing to wait for.
+    assert sched.num_matched_tokens("g", PROMPT, 4 * BS, handoff=handoff) == 0
     # A handoff longer than the prompt's loadable part waits only for what can be loaded.
     short = PROMPT[: 4 * BS]  # the last chunk is the prompt's end: 3 loadable
     store.down = False
