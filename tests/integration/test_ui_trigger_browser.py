@@ -106,7 +106,8 @@ def _fill(driver: WebDriver, param: str, value: str) -> None:
 
 
 def _run_state(driver: WebDriver) -> str | None:
-    """The run page's state badge, once it shows a final state."""
+    """The run page's state badge, once it shows a final state (it re-renders while the page
+    refreshes: callers' waits ignore a stale element)."""
     badge = driver.find_element(By.CSS_SELECTOR, "[data-testid=header-card] [data-testid=state-badge]")
     state = badge.text.strip().lower()
     return state if state in ("success", "failed") else None
@@ -114,6 +115,8 @@ def _run_state(driver: WebDriver) -> str | None:
 
 def _keep(shots: list[Path]) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for stale in ARTIFACTS.glob("*.png"):  # only this run's shots: no old failure beside a pass
+        stale.unlink()
     for shot in shots:
         shutil.copy2(shot, ARTIFACTS / shot.name)
 
@@ -161,7 +164,8 @@ def test_trigger_form_runs_a_batch(airflow, vllm_chat, browser, tmp_path):
 
         # The UI opens the new run's page and refreshes it while the run is active.
         wait.until(EC.url_contains(f"/dags/batch_inference/runs/{run_id}"))
-        state = WebDriverWait(browser, RUN_WAIT_S, poll_frequency=1).until(_run_state)
+        state = WebDriverWait(browser, RUN_WAIT_S, poll_frequency=1,
+                              ignored_exceptions=(StaleElementReferenceException,)).until(_run_state)
         assert state == "success", f"the UI shows run {run_id} {state}"
         # Reloaded, the page shows every task's final state too (its table refreshes on a timer).
         browser.refresh()
