@@ -264,17 +264,22 @@ async def _worker(
         sent = clock()
         line = await sender.send(record)
         observe(clock() - sent)
-        try:
-            data = dumps(line)
-        except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
-            line = error_record(record["custom_id"], "invalid_response_body",
-                                f"the server's answer cannot be stored as JSON: {exc}")
-            data = dumps(line)
-        if line["error"] is None:
-            counters.completed += 1
-        else:
-            counters.failed += 1
-        result_log.append(data)
+        _keep_answer(record, line, counters, result_log)
+
+
+def _keep_answer(record: dict[str, Any], line: dict[str, Any], counters: _Counters, result_log: Any) -> None:
+    """Count a request's output line and buffer it for the checkpoint writer."""
+    try:
+        data = dumps(line)
+    except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
+        line = error_record(record["custom_id"], "invalid_response_body",
+                            f"the server's answer cannot be stored as JSON: {exc}")
+        data = dumps(line)
+    if line["error"] is None:
+        counters.completed += 1
+    else:
+        counters.failed += 1
+    result_log.append(data)
 
 
 def _pending_with_prefixes(src: Any, done: set[str]) -> Iterator[tuple[dict[str, Any], tuple[int, ...]]]:
@@ -306,17 +311,7 @@ async def _gated_worker(
         line = await sender.send(record)
         observe(clock() - sent)
         gate.answered(leader)
-        try:
-            data = dumps(line)
-        except TypeError as exc:
-            line = error_record(record["custom_id"], "invalid_response_body",
-                                f"the server's answer cannot be stored as JSON: {exc}")
-            data = dumps(line)
-        if line["error"] is None:
-            counters.completed += 1
-        else:
-            counters.failed += 1
-        result_log.append(data)
+        _keep_answer(record, line, counters, result_log)
 
 
 @dataclass
