@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import pytest
@@ -128,10 +131,50 @@ def xcom(airflow: AirflowDeployment, run_id: str, task: str, key: str = "return_
     return json.loads(value) if isinstance(value, str) else value
 
 
+@contextmanager
+def drivers_pending_until_autoscale_decided(airflow: AirflowDeployment, cluster: FakeCluster,
+                                            timeout_s: float = 300) -> Iterator[None]:
+    """Keep the driver pods Pending (Unschedulable, as on a cluster still adding nodes) until
+    the autoscale task has pushed its first decisions.
+
+    Four tiny requests answer in about a second: on a loaded worker the scheduler can start
+    the autoscale task after both shards are done, and it then rightly ends without a
+    decision (the CI run of ff8e360 did). Holding the drivers makes "beside dispatch" sure.
+    """
+    assert cluster.kubelet
+    cluster.kubelet.schedulable = False
+    stop = threading.Event()
+
+    def release() -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                runs = airflow.api("GET", "/api/v2/dags/batch_inference/dagRuns?order_by=-start_date&limit=1")
+                for run in runs["dag_runs"]:
+                    try:
+                        xcom(airflow, run["dag_run_id"], "autoscale", "scaling_decisions")
+                        return
+                    except AssertionError:
+                        pass  # 404 until the first tick has run
+                stop.wait(1)
+        finally:
+            cluster.kubelet.schedulable = True
+
+    releaser = threading.Thread(target=release, name="release-drivers", daemon=True)
+    releaser.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        releaser.join(timeout=30)
+        cluster.kubelet.schedulable = True
+
+
 def test_roles_scale_up_beside_dispatch_and_down_after_merge(airflow, cluster, s3_server, vllm_chat) -> None:
     fresh_roles(cluster, vllm_chat.base_url)
     n_requests = len(cluster.store.requests)
-    run = run_batch(airflow, s3_server, vllm_chat, "ok", 4)
+    with drivers_pending_until_autoscale_decided(airflow, cluster):
+        run = run_batch(airflow, s3_server, vllm_chat, "ok", 4)
     assert run["state"] == "success"
     run_id = run["dag_run_id"]
     states = task_states(airflow, run_id)
