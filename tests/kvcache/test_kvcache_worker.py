@@ -164,6 +164,28 @@ def test_l1_checksum_modes_roundtrip_and_detect(l1_checksum: str, tmp_path) -> N
     w.shutdown()
 
 
+@pytest.mark.parametrize("l1_checksum", ["full", "sampled"])
+def test_a_flipped_bit_at_rest_in_l1_fails_only_that_chunk(l1_checksum: str) -> None:
+    """Damage to a slot's bytes (not the fault hook): the full check, which on CPU hashes each
+    chunk right before copying it, fails exactly that chunk; its neighbour still loads."""
+    w, kv = _worker({"l1_checksum": l1_checksum})
+    _fill(kv, [1, 2])
+    _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)]), ChunkTransfer("b", [(0, 2)])],
+                                 chunk_tokens=BS))  # fmt: skip
+    slot_b = w.l1.get(w.chunk_key("b")).slot
+    # Flip one bit in the middle of layer 1 of chunk b: between two of the sampled check's words.
+    raw = w.slab.view(slot_b, 1).view(torch.uint8).view(-1)
+    raw[raw.numel() // 2 + 3] ^= 0x10
+    errors = _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("a", [(0, 8)]), ChunkTransfer("b", [(0, 9)])],
+                                          chunk_tokens=BS))  # fmt: skip
+    if l1_checksum == "full":
+        assert errors == {9}
+    else:  # the documented limit of the sampled check: a bit between samples gets through
+        assert errors == set()
+    assert all(torch.equal(t[8], t[1]) for t in kv.values())
+    w.shutdown()
+
+
 def test_cpu_pipelined_l1_path_uses_no_threads() -> None:
     """On CPU there is no copy engine: L1 copies run on the compute thread (threads would
     only compete with compute for the same cores)."""
