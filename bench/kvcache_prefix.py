@@ -28,7 +28,9 @@ an older revision importable under another name via PYTHONPATH) the run adds
 connector (Redis: the same server, database 1). docs/kvcache.md shows how to extract
 an older revision under another package name.
 ``NAME#2`` in ``--only`` adds a second server of condition NAME (an A/A control: how far
-apart two servers of the same configuration land). Our servers also report the
+apart two servers of the same configuration land; with two or more servers of both
+pipelined and sync, "sync / pipelined, pooled" compares the means over each mode's
+servers, so that one fast or slow server does not decide). Our servers also report the
 connector's own load time per hit (``kvcache_load_seconds``, scraped from the worker).
 
     .venv-inference/bin/python bench/kvcache_prefix.py --model .work/models/bench-llama
@@ -253,6 +255,20 @@ def report(res: dict, args: argparse.Namespace) -> dict:
         runs = "  runs: " + " ".join(f"{x:.3f}" for x in per_run) if len(per_run) > 1 else ""
         print(f"  {label:30} {med:.3f} (90% CI {lo:.3f}-{hi:.3f}) {target}{runs}")
 
+    def compare_pooled(label: str, kind: str, num: str, den: str) -> None:
+        """With several servers of each condition (NAME, NAME#2, ...): the paired ratio of
+        the conditions' means over their servers, so that no one server's speed decides."""
+        samples = res[kind]
+        nums = [n for n in samples if n.split("#")[0] == num]
+        dens = [n for n in samples if n.split("#")[0] == den]
+        if len(nums) < 2 or len(dens) < 2 or len({len(samples[n]) for n in nums + dens}) != 1:
+            return
+        means = [[statistics.fmean(samples[n][i] for n in group) for i in range(len(samples[group[0]]))]
+                 for group in (nums, dens)]  # fmt: skip
+        med, lo, hi = paired_ratio(means[0], means[1])
+        summary["ratios"][label] = {"median": med, "ci90": [lo, hi], "servers": [nums, dens]}
+        print(f"  {label:30} {med:.3f} (90% CI {lo:.3f}-{hi:.3f}) {len(nums)} + {len(dens)} servers")
+
     print("paired ratios (same prompt, same round; bootstrap 90% interval of the median):")
     compare("hit ours_l1 / prefix_cache", "hits", "ours_l1", "prefix_cache", "target <= 1.25")
     compare("hit ours_l1 / example_conn", "hits", "ours_l1", "example_conn", "target < 1")
@@ -266,6 +282,8 @@ def report(res: dict, args: argparse.Namespace) -> dict:
         if "#" in name:
             compare(f"hit {name} / {name.split('#')[0]}", "hits", name, name.split("#")[0], "A/A: ~1")
     compare("miss sync / pipelined", "first", "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
+    for kind, what in (("hits", "hit"), ("first", "miss")):
+        compare_pooled(f"{what} sync / pipelined, pooled", kind, "ours_sync_l1", "ours_l1")
     for name in ("example_conn", "ours_l1", "ours_sync_l1", "ours_l2_redis", "before_l1", "before_l2_redis"):
         compare(f"miss {name} / cold", "first", name, "cold", "store overhead")
     compare("miss ours_l1 / before_l1", "first", "ours_l1", "before_l1", "cost of the fixes, storing")
