@@ -15,7 +15,7 @@ Steady state: two unmeasured rounds fill the pool (capacity = two rounds), so me
 saves reuse evicted slots. One line per ``l1_checksum`` setting. Then the cost of L2
 records per GiB: encode and decode with the checksum only, and with each MAC.
 
-    .venv-inference/bin/python bench/kvcache_l1_bandwidth.py [--tokens 1664] [--repeat 5]
+    .venv-inference/bin/python bench/kvcache_l1_bandwidth.py [--tokens 1664] [--repeat 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1664)
     ap.add_argument("--repeat", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for the copies (0: torch's default, every core); a vLLM CPU "
+                    "worker has one per core it is bound to")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     for l1_checksum in ("sampled", "full", "off"):
         r = run(args.tokens, args.repeat, l1_checksum)
