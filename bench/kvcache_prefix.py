@@ -29,8 +29,8 @@ connector (Redis: the same server, database 1). docs/kvcache.md shows how to ext
 an older revision under another package name.
 ``NAME#2`` in ``--only`` adds a second server of condition NAME (an A/A control: how far
 apart two servers of the same configuration land; with two or more servers of both
-pipelined and sync, "sync / pipelined, pooled" compares the means over each mode's
-servers, so that one fast or slow server does not decide). Our servers also report the
+conditions, a "pooled" line compares the means over each condition's servers, so that
+one fast or slow server does not decide). Our servers also report the
 connector's own load time per hit (``kvcache_load_seconds``, scraped from the worker).
 
     .venv-inference/bin/python bench/kvcache_prefix.py --model .work/models/bench-llama
@@ -284,6 +284,8 @@ def report(res: dict, args: argparse.Namespace) -> dict:
     compare("miss sync / pipelined", "first", "ours_sync_l1", "ours_l1", ">= 1: pipelined does not lose")
     for kind, what in (("hits", "hit"), ("first", "miss")):
         compare_pooled(f"{what} sync / pipelined, pooled", kind, "ours_sync_l1", "ours_l1")
+    compare_pooled("hit ours_l1 / prefix_cache, pooled", "hits", "ours_l1", "prefix_cache")
+    compare_pooled("hit ours_l1 / example_conn, pooled", "hits", "ours_l1", "example_conn")
     for name in ("example_conn", "ours_l1", "ours_sync_l1", "ours_l2_redis", "before_l1", "before_l2_redis"):
         compare(f"miss {name} / cold", "first", name, "cold", "store overhead")
     compare("miss ours_l1 / before_l1", "first", "ours_l1", "before_l1", "cost of the fixes, storing")

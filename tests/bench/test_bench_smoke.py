@@ -116,3 +116,21 @@ def test_kvcache_prefix_pairs_samples_and_pools_runs() -> None:
     assert abs(hit["median"] - 1.1) < 1e-9 and [round(r, 6) for r in hit["per_run"]] == [1.1, 1.1]
     assert abs(summary["ratios"]["miss ours_l1 / cold"]["median"] - 3.1 / 3.0) < 1e-9
     assert summary["conditions"]["ours_l1"]["connector_load_ms"] == pytest.approx(15.0)
+
+
+def test_kvcache_prefix_pooled_ratio_averages_over_each_conditions_servers() -> None:
+    """Two servers per mode, one pipelined server 20% slow (a server effect, not the mode's):
+    the pooled line compares each mode's mean over its servers, the plain line one pair."""
+    kp = _load("kvcache_prefix")
+    hits = {"ours_l1": [1.0] * 4, "ours_l1#2": [1.2] * 4,
+            "ours_sync_l1": [1.1] * 4, "ours_sync_l1#2": [1.1] * 4}
+    first = {name: [2.0] for name in hits}
+    res = {"first": first, "hits": hits, "cached": {}, "connector": {},
+           "per_run": [{"hits": hits, "first": first}]}
+    args = SimpleNamespace(prompts=2, tokens=16, runs=1, rounds=2, model="m", bind="0")
+    ratios = kp.report(res, args)["ratios"]
+    assert abs(ratios["hit sync / pipelined"]["median"] - 1.1) < 1e-9
+    pooled = ratios["hit sync / pipelined, pooled"]
+    assert abs(pooled["median"] - 1.0) < 1e-9
+    assert pooled["servers"] == [["ours_sync_l1", "ours_sync_l1#2"], ["ours_l1", "ours_l1#2"]]
+    assert "hit ours_l1 / example_conn, pooled" not in ratios  # needs two servers of each
