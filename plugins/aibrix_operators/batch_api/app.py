@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,7 +37,14 @@ from aibrix_operators.batch_api.batches import (
 )
 from aibrix_operators.batch_api.errors import ApiError, bad_request, error_body, not_found
 from aibrix_operators.batch_api.files import FileStore, StoredFile
-from aibrix_operators.batch_api.ids import check_batch_id, check_file_id, new_batch_id, output_file_id
+from aibrix_operators.batch_api.ids import (
+    BATCH_ID_RE,
+    FILE_ID_RE,
+    check_batch_id,
+    check_file_id,
+    new_batch_id,
+    output_file_id,
+)
 from aibrix_operators.batch_api.settings import ApiSettings
 from aibrix_operators.batch_api.status import TERMINAL, batch_object
 from aibrix_operators.batch_api.upload import receive_upload
@@ -94,6 +101,11 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         return authenticate(authorization, context().keyring())
 
     Tenant = Annotated[str, Depends(tenant)]
+    # The id patterns are published in the schema but checked by check_*_id (400 in OpenAI's
+    # error shape, not FastAPI's 422). A client that sends other text gets that 400, or, with a
+    # newline in the path, Airflow's own 404 before the request reaches this app.
+    FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_RE.pattern})]
+    BatchId = Annotated[str, Path(json_schema_extra={"pattern": BATCH_ID_RE.pattern})]
     common = schemas.error_responses(400, 401, 404, 422)
 
     @app.exception_handler(ApiError)
@@ -149,13 +161,13 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
                 "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
     @app.get("/v1/files/{file_id}", response_model=schemas.FileObject, responses=common)
-    def get_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
+    def get_file(file_id: FileId, tenant: Tenant) -> dict[str, Any]:
         return context().files.get(tenant, check_file_id(file_id)).as_openai()
 
     @app.get("/v1/files/{file_id}/content", responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
         **common}, response_class=StreamingResponse)
-    def file_content(file_id: str, tenant: Tenant) -> StreamingResponse:
+    def file_content(file_id: FileId, tenant: Tenant) -> StreamingResponse:
         try:
             chunks = context().files.open_content(tenant, check_file_id(file_id))
         except StorageError:
@@ -163,7 +175,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         return StreamingResponse(chunks, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}", response_model=schemas.FileDeleted, responses=common)
-    def delete_file(file_id: str, tenant: Tenant) -> dict[str, Any]:
+    def delete_file(file_id: FileId, tenant: Tenant) -> dict[str, Any]:
         context().files.delete(tenant, check_file_id(file_id))
         log.info("tenant %s deleted %s", tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
@@ -213,12 +225,12 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
                 "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
     @app.get("/v1/batches/{batch_id}", response_model=schemas.Batch, responses=common)
-    def get_batch(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+    def get_batch(batch_id: BatchId, tenant: Tenant) -> dict[str, Any]:
         ctx = context()
         return _view(ctx, tenant, _row(ctx, tenant, batch_id))
 
     @app.post("/v1/batches/{batch_id}/cancel", response_model=schemas.Batch, responses=common)
-    def cancel_batch(batch_id: str, tenant: Tenant) -> dict[str, Any]:
+    def cancel_batch(batch_id: BatchId, tenant: Tenant) -> dict[str, Any]:
         ctx = context()
         row = _row(ctx, tenant, batch_id)
         current = _view(ctx, tenant, row)
