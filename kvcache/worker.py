@@ -310,10 +310,10 @@ class KVCacheWorker:
         less: L1 store 55% -> 62-67% of a plain copy, bench/kvcache_l1_bandwidth.py)."""
         return not self.cuda and self.settings.l1_checksum == "full"
 
-    def _check_l1(self, step: _StepLoad, layer: int) -> dict[int, torch.Tensor]:
+    def _check_l1(self, step: _StepLoad, layer: int, sums_later: bool) -> dict[int, torch.Tensor]:
         """Check this layer of the step's L1 chunks; failures are marked. Returns, under the
         test-only fault injection, the zeros that replace each chunk's bytes. With
-        ``_hash_per_chunk`` the checksums are left to ``_scatter_layer``."""
+        ``sums_later`` the checksums are left to ``_scatter_layer``, chunk by chunk."""
         assert self.slab is not None
         checked: dict[int, L1Chunk] = {}
         for idx, chunk in enumerate(step.l1_chunks):
@@ -326,9 +326,7 @@ class KVCacheWorker:
         replaced: dict[int, torch.Tensor] = {}
         if step.corrupt:
             replaced = {i: torch.zeros_like(self.slab.view(c.slot, layer)) for i, c in checked.items()}
-        if not self.settings.verify_checksum or self.settings.l1_checksum == "off":
-            return replaced
-        if self._hash_per_chunk() and not step.corrupt:
+        if sums_later or not self.settings.verify_checksum or self.settings.l1_checksum == "off":
             return replaced
         if step.corrupt:
             got = [self._sum(replaced[i]) for i in checked]
@@ -345,8 +343,9 @@ class KVCacheWorker:
         marked (and never copied), not raised. Returns the CUDA event of the last copy."""
         assert self.layout is not None and self.copier is not None and self.slab is not None
         kv = self.kv[layer]
-        replaced = self._check_l1(step, layer)
-        per_chunk = self._hash_per_chunk() and not replaced and self.settings.verify_checksum
+        # The test-only fault hook replaces the bytes before the check: it keeps the batched path.
+        per_chunk = self._hash_per_chunk() and self.settings.verify_checksum and not step.corrupt
+        replaced = self._check_l1(step, layer, sums_later=per_chunk)
         moves: list[Move] = []
         last_event = None
         for idx, item in enumerate(step.items):
