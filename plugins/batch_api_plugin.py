@@ -13,10 +13,12 @@ from aibrix_operators.batch_api.app import create_app
 from aibrix_operators.batch_api.path_guard import ControlCharPathGuard
 from aibrix_operators.batch_api.plugin_context import build_context
 
+URL_PREFIX = "/openai"
+
 
 class BatchApiPlugin(AirflowPlugin):
     name = "aibrix_batch_api"
-    fastapi_apps = [{"app": create_app(build_context), "url_prefix": "/openai", "name": "OpenAI Batch API"}]
-    # Paths the /openai mount cannot match (control characters) get a 400 in OpenAI's shape.
-    fastapi_root_middlewares = [{"middleware": ControlCharPathGuard, "kwargs": {"prefix": "/openai/"},
+    fastapi_apps = [{"app": create_app(build_context), "url_prefix": URL_PREFIX, "name": "OpenAI Batch API"}]
+    # Paths the mount cannot match (control characters) get a 400 in OpenAI's shape.
+    fastapi_root_middlewares = [{"middleware": ControlCharPathGuard, "kwargs": {"prefix": URL_PREFIX + "/"},
                                  "name": "OpenAI Batch API path guard"}]

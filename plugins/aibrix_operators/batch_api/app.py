@@ -102,8 +102,8 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
 
     Tenant = Annotated[str, Depends(tenant)]
     # The id patterns are published in the schema but checked by check_*_id (400 in OpenAI's
-    # error shape, not FastAPI's 422). A client that sends other text gets that 400, or, with a
-    # newline in the path, Airflow's own 404 before the request reaches this app.
+    # error shape, not FastAPI's 422). Paths with control characters never get here: the
+    # plugin's path guard answers them (batch_api/path_guard.py).
     FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_RE.pattern})]
     BatchId = Annotated[str, Path(json_schema_extra={"pattern": BATCH_ID_RE.pattern})]
     common = schemas.error_responses(400, 401, 404, 422)
