@@ -22,6 +22,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:  # xxh3-64: ~4x zlib's crc32 and ~2x a memory copy here, so a full check is affordable
@@ -60,6 +61,11 @@ def _sum(alg: str, data: memoryview) -> int:
 def checksum(tensor: torch.Tensor) -> int:
     """Checksum (``SUM_ALG``) of every byte of a contiguous CPU tensor."""
     return _sum(SUM_ALG, _bytes_view(tensor))
+
+
+def checksum_bytes(data: np.ndarray) -> int:
+    """``checksum`` of a C-contiguous array's bytes (the same value as of the tensor it views)."""
+    return _sum(SUM_ALG, memoryview(data).cast("B"))
 
 
 _MAC_ALGS = ("blake2b", "blake3")

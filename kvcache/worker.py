@@ -36,10 +36,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcache import codec, metrics
 from kvcache.config import KVCacheSettings
+from kvcache.host_copy import ChunkCopier, ChunkCopy, chunk_copy, host_array, host_threads
 from kvcache.keys import layer_number, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.secrets import l2_mac
@@ -107,6 +109,8 @@ class KVCacheWorker:
         self.layer_ids: list[int] = []
         self.layout: PagedLayout | None = None
         self.copier: HostCopier | None = None
+        self._chunk_copier: ChunkCopier | None = None  # CPU with the full L1 check
+        self._kv_arrays: list[np.ndarray] = []  # and the paged layers as numpy byte views
         self.cuda = False
         self._touched: set[str] = set()  # chunk hashes put into / evicted from L1
         # Requests whose load failed this step: the KV they computed this step attended
@@ -140,6 +144,9 @@ class KVCacheWorker:
         self.layout = PagedLayout.detect(self.kv[0], num_blocks)
         self.copier = make_copier(self.layout.device)
         self.cuda = isinstance(self.copier, CudaCopier)
+        if self._hash_per_chunk():
+            self._chunk_copier = ChunkCopier(host_threads())
+            self._kv_arrays = [np.moveaxis(host_array(t), self.layout.block_dim, 0) for t in self.kv]
         self.slab = SlabPool(
             self.settings.l1_capacity_bytes,
             len(self.kv),
@@ -236,7 +243,8 @@ class KVCacheWorker:
             # forward. (Interleaving them with the layers' compute measured ~20% slower
             # hits on one pinned core: docs/kvcache.md.)
             for layer in range(len(self.kv)):
-                step.complete_layer(layer, host_wait=True)
+                step.complete_layer(layer, host_wait=True, run_copies=False)
+            step.run_host_copies()  # every layer's at once: the threads share out 8x the chunks
         step.blocked_s += time.perf_counter() - step.t0
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -305,10 +313,15 @@ class KVCacheWorker:
         return view
 
     def _hash_per_chunk(self) -> bool:
-        """Full L1 checks on CPU run chunk by chunk, each next to that chunk's copy, so the
-        hash reads bytes the copy just brought into the CPU's caches (one memory pass
-        less: L1 store 55% -> 62-67% of a plain copy, bench/kvcache_l1_bandwidth.py)."""
+        """Full L1 checks on CPU run chunk by chunk, each right after that chunk's copy, so
+        the hash reads bytes the copy just brought into the CPU's caches, and the chunks
+        are shared out over the worker's cores (``host_copy``)."""
         return not self.cuda and self.settings.l1_checksum == "full"
+
+    def _chunk_copy(self, slot: int, layer: int, item: ChunkTransfer, into_kv: bool) -> ChunkCopy:
+        assert self.slab is not None and self._kv_arrays
+        rows, row0 = self.slab.row_bytes(slot, layer)
+        return chunk_copy(self._kv_arrays[layer], rows, row0, item.blocks, self.chunk_blocks, into_kv)
 
     def _check_l1(self, step: _StepLoad, layer: int, sums_later: bool) -> dict[int, torch.Tensor]:
         """Check this layer of the step's L1 chunks; failures are marked. Returns, under the
@@ -340,7 +353,13 @@ class KVCacheWorker:
 
     def _scatter_layer(self, step: _StepLoad, layer: int) -> object:
         """Copy one layer of every loadable chunk into the paged cache; failed chunks are
-        marked (and never copied), not raised. Returns the CUDA event of the last copy."""
+        marked, not raised. Returns the CUDA event of the last copy.
+
+        A chunk that fails its check is not copied, except under the CPU full check, which
+        hashes each L1 chunk right after copying it (its bytes are then in the caches): a
+        failed chunk's blocks then hold the bad bytes instead of whatever they held before.
+        Either way they are unusable until recomputed, and they are reported as failed
+        (vLLM recomputes them; saves that read them are dropped)."""
         assert self.layout is not None and self.copier is not None and self.slab is not None
         kv = self.kv[layer]
         # The test-only fault hook replaces the bytes before the check: it keeps the batched path.
@@ -353,12 +372,7 @@ class KVCacheWorker:
                 continue
             chunk = step.l1_chunks[idx]
             if per_chunk and chunk is not None:
-                expected = chunk.sums[layer]
-                if expected is not None and self._sum(self.slab.view(chunk.slot, layer)) != expected:
-                    step.fail(idx, "integrity")
-                    continue
-                base, row0 = self.slab.rows(chunk.slot, layer)
-                self.copier.scatter_rows(kv, self.layout, [(base, row0 + i, b) for i, b in item.blocks])
+                step.host_copies.append((idx, layer, self._chunk_copy(chunk.slot, layer, item, into_kv=True)))
                 continue
             slot = chunk.slot if chunk is not None else step.promo_slots[idx]
             if idx in replaced:
@@ -451,6 +465,11 @@ class KVCacheWorker:
                     self._gather_layer(step, layer, ready)
             except Exception as exc:  # a failed copy-out is a skipped save, never an engine error
                 error = error or exc
+        if error is None:
+            try:
+                step.run_host_copies()
+            except Exception as exc:
+                error = exc
         if error is not None:
             self._drop_step_saves(step, error)
             spent = step.blocked_s + time.perf_counter() - t0
@@ -520,16 +539,13 @@ class KVCacheWorker:
                 base, row0 = self.slab.rows(slot, layer)
             else:
                 base, row0 = step.target(idx, layer), 0
-            chunk_moves = [(base, row0 + i, b) for i, b in item.blocks]
-            if per_chunk:
-                self.copier.gather_rows(kv, self.layout, chunk_moves)
-                if slot is not None:
-                    step.sums[idx][layer] = self._sum(self.slab.view(slot, layer))
+            if per_chunk and slot is not None:
+                step.host_copies.append((idx, layer, self._chunk_copy(slot, layer, item, into_kv=False)))
             else:
-                moves.extend(chunk_moves)
-        if per_chunk:
-            return
+                moves.extend((base, row0 + i, b) for i, b in item.blocks)
         self.copier.gather_rows(kv, self.layout, moves)
+        if per_chunk:
+            return  # the slots' copies and check values: _StepSave.run_host_copies
         held = {idx: slot for idx, slot in enumerate(step.slots) if slot is not None}
         for idx, value in zip(held, self._layer_sums(layer, list(held.values())), strict=True):
             step.sums[idx][layer] = value
@@ -607,6 +623,8 @@ class KVCacheWorker:
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+        if self._chunk_copier is not None:
+            self._chunk_copier.shutdown()
         if self.writer is not None:
             self.writer.close()
         if self.l2 is not None:
@@ -652,6 +670,17 @@ class _StepSave:
         self.events: list[object] = [None] * n_layers
         self.issued = [False] * n_layers
         self.blocked_s = 0.0  # compute-thread time in save_kv_layer calls
+        # CPU full check: (chunk, layer, copy into its slot), run for all layers at once.
+        self.host_copies: list[tuple[int, int, ChunkCopy]] = []
+
+    def run_host_copies(self) -> None:
+        pending, self.host_copies = self.host_copies, []
+        if not pending:
+            return
+        assert self.worker._chunk_copier is not None
+        values = self.worker._chunk_copier.run([c for _, _, c in pending])
+        for (idx, layer, _), value in zip(pending, values, strict=True):
+            self.sums[idx][layer] = value
 
     def target(self, idx: int, layer: int) -> torch.Tensor:
         slot = self.slots[idx]
@@ -710,6 +739,8 @@ class _StepLoad:
         self.done = [False] * n_layers
         self.next_submit = 0
         self.compute_ready = worker.copier.mark_compute() if worker.copier else None
+        # CPU full check: (chunk, layer, copy out of its L1 slot), checked once copied.
+        self.host_copies: list[tuple[int, int, ChunkCopy]] = []
         self._lock = threading.Lock()
         # Compute-thread time spent on this step's loads (start_load_kv, the per-layer
         # waits, and completing at the barrier): what loading costs the forward.
@@ -733,8 +764,21 @@ class _StepLoad:
                 self.futures[layer] = w._io.submit(w._prepare_layer, self, layer)
             self.next_submit += 1
 
-    def complete_layer(self, layer: int, host_wait: bool) -> None:
-        """Make ``layer``'s load complete (CPU) or ordered before compute (CUDA)."""
+    def run_host_copies(self) -> None:
+        """Run the queued L1 copies and fail every chunk whose bytes do not match."""
+        pending, self.host_copies = self.host_copies, []
+        if not pending:
+            return
+        assert self.worker._chunk_copier is not None
+        values = self.worker._chunk_copier.run([c for _, _, c in pending])
+        for (idx, layer, _), value in zip(pending, values, strict=True):
+            expected = self.l1_chunks[idx].sums[layer]  # type: ignore[union-attr]
+            if expected is not None and value != expected:
+                self.fail(idx, "integrity")
+
+    def complete_layer(self, layer: int, host_wait: bool, run_copies: bool = True) -> None:
+        """Make ``layer``'s load complete (CPU) or ordered before compute (CUDA); with
+        ``run_copies`` False the CPU's L1 copies wait for ``run_host_copies``."""
         if self.done[layer]:
             return
         w = self.worker
@@ -749,6 +793,8 @@ class _StepLoad:
             else:
                 w._prepare_layer(self, layer)
             w._scatter_layer(self, layer)
+            if run_copies:
+                self.run_host_copies()
         self.done[layer] = True
 
     def wait_layer(self, layer: int) -> None:
@@ -762,7 +808,8 @@ class _StepLoad:
         assert w.slab is not None
         t0 = time.perf_counter()
         for layer in range(len(self.futures)):
-            self.complete_layer(layer, host_wait=True)
+            self.complete_layer(layer, host_wait=True, run_copies=False)
+        self.run_host_copies()
         for ev in self.events:  # copies may still read pinned slots: done before release
             w.copier.wait_host(ev)  # type: ignore[union-attr]
         self.blocked_s += time.perf_counter() - t0

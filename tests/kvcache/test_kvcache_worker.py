@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcache import codec
 from kvcache.config import KVCacheSettings
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata
 from kvcache.tiers import FilesystemStore, RedisStore
@@ -164,10 +165,15 @@ def test_l1_checksum_modes_roundtrip_and_detect(l1_checksum: str, tmp_path) -> N
     w.shutdown()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("l1_checksum", ["full", "sampled"])
-def test_a_flipped_bit_at_rest_in_l1_fails_only_that_chunk(l1_checksum: str) -> None:
+def test_a_flipped_bit_at_rest_in_l1_fails_only_that_chunk(
+    l1_checksum: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Damage to a slot's bytes (not the fault hook): the full check, which on CPU hashes each
-    chunk right before copying it, fails exactly that chunk; its neighbour still loads."""
+    chunk right after copying it (chunks shared out over ``threads``), fails exactly that
+    chunk; its neighbour still loads."""
+    monkeypatch.setattr("kvcache.worker.host_threads", lambda: threads)
     w, kv = _worker({"l1_checksum": l1_checksum})
     _fill(kv, [1, 2])
     _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)]), ChunkTransfer("b", [(0, 2)])],
@@ -391,4 +397,29 @@ def test_failed_load_drops_saves_by_block_not_by_request() -> None:
     _fill(kv, [4])
     _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("p", [(0, 4)], "reqB", deps=[4])], chunk_tokens=BS))
     assert w.chunk_key("p") in w.l1
+    w.shutdown()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_full_check_values_are_the_slots_checksums_whatever_the_threads(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU full check: chunks with runs and gaps of blocks, copied over ``threads``; every
+    check value is the checksum of the slot's bytes (the value an L2 record carries, so a
+    promoted or written-behind chunk checks the same), and the loads are exact."""
+    monkeypatch.setattr("kvcache.worker.host_threads", lambda: threads)
+    w, kv = _worker({"l1_checksum": "full", "chunk_tokens": 2 * BS})
+    _fill(kv, [1, 2, 3, 5, 8, 9])
+    saves = [ChunkTransfer("a", [(0, 1), (1, 2)]), ChunkTransfer("b", [(0, 5), (1, 3)]),
+             ChunkTransfer("c", [(0, 8), (1, 9)])]  # fmt: skip
+    assert _step(w, KVCacheStepMetadata(saves=saves, chunk_tokens=2 * BS)) == set()
+    for h in "abc":
+        chunk = w.l1.get(w.chunk_key(h))
+        assert chunk.sums == [codec.checksum(w.slab.view(chunk.slot, layer)) for layer in range(LAYERS)]
+    loads = [ChunkTransfer("a", [(1, 12)]), ChunkTransfer("b", [(0, 13), (1, 10)]),
+             ChunkTransfer("c", [(0, 14), (1, 15)])]  # fmt: skip
+    assert _step(w, KVCacheStepMetadata(loads=loads, chunk_tokens=2 * BS)) == set()
+    for t in kv.values():
+        assert torch.equal(t[12], t[2]) and torch.equal(t[13], t[5]) and torch.equal(t[10], t[3])
+        assert torch.equal(t[14:16], t[8:10])
     w.shutdown()
