@@ -22,6 +22,10 @@ Pipelined mode (default):
 Sync mode does the same work with no overlap: all loads before the forward, all
 copy-outs in ``wait_for_save``. Both modes share every line of the data path below.
 
+With the full L1 check on CPU (the default), each chunk is copied and then hashed while its
+bytes are still in the CPU's caches, and a step's chunks of every layer are shared out over
+the cores the worker may use (``host_copy``; one core: inline).
+
 A chunk that cannot be loaded (absent, unreachable tier, key/layout/checksum mismatch)
 has its blocks reported through ``take_load_errors`` so vLLM recomputes them.
 """
@@ -156,12 +160,14 @@ class KVCacheWorker:
             pin_memory=self.copier.pinned,
         )
         log.info(
-            "kvcache: %d layers, layout %s, mode %s, L1 %d slots of %d bytes",
+            "kvcache: %d layers, layout %s, mode %s, L1 %d slots of %d bytes, L1 check %s%s",
             len(self.kv),
             self.layout.describe(),
             self.settings.mode,
             self.slab.max_slots,
             self.slab.slot_bytes,
+            self.settings.l1_checksum,
+            f" ({self._chunk_copier.threads} copy threads)" if self._chunk_copier else "",
         )
 
     def chunk_key(self, chunk_hash: str) -> str:
