@@ -17,28 +17,32 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-orchestrator test-inference lint system-packages bench clean
+.PHONY: setup run test test-orchestrator test-inference images lint system-packages bench clean
 
 setup: $(VENV)/.installed $(IVENV)/.installed system-packages $(MODEL)/config.json $(EVAL_MODEL)/train_key.txt
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(PIP_FLAGS) -r requirements.txt
+	$(VENV)/bin/pip install -q $(PIP_FLAGS) -r requirements-dev.txt
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-$(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt pyproject.toml
+$(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt requirements-inference-dev.txt pyproject.toml
 	test -x $(IVENV)/bin/python || $(PYTHON) -m venv $(IVENV)
 	$(IVENV)/bin/pip install -q --upgrade pip
-	$(IVENV)/bin/pip install -q $(PIP_FLAGS) -r inference_images/vllm/requirements-cpu.txt
+	$(IVENV)/bin/pip install -q $(PIP_FLAGS) -r requirements-inference-dev.txt
 	# CUDA builds that pip pulls in beside the CPU torch; they fail to import and break transformers.
 	$(IVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(IVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 # redis-server: the kvcache L2 tier's tests start their own instance on 127.0.0.1.
+# podman, runc, debootstrap: `make images` builds the shipped images and tests/images runs them.
 system-packages:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq podman runc debootstrap >/dev/null; \
+	  else echo "podman is missing: sudo apt-get install podman runc debootstrap" >&2; exit 1; fi; }
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
@@ -67,7 +71,12 @@ run: setup
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-test: setup lint test-orchestrator test-inference
+# The four images from this repository's Dockerfiles, on stand-in bases (no registry here), with
+# podman's layer cache: an unchanged rebuild takes seconds. inference_images/README.md.
+images: system-packages
+	$(PYTHON) inference_images/build.py
+
+test: setup lint images test-orchestrator test-inference
 
 # Airflow, the driver, S3 and the end-to-end DAG runs. Temporary files stay under /tmp: vLLM puts
 # its IPC sockets in TMPDIR, which some tests point at tmp_path, and a deep --basetemp (a clone in

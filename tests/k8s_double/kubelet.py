@@ -1,13 +1,23 @@
-"""A fake kubelet: runs each pod of an ``ObjectStore`` as a local process and reports back.
+"""A fake kubelet: runs each pod of an ``ObjectStore`` as a real container (podman) or a local
+process, and reports back.
 
 For every pod it finds it does what a node would, writing the results into the store
 the way a kubelet's status updates reach the API server: ``PodScheduled`` →
 image "pull" (the image must be in ``images``, else ``ErrImagePull``) → env resolution
 (``value``, ``valueFrom.secretKeyRef`` from Secrets in the store, ``fieldRef`` of
 ``metadata.name``/``metadata.namespace``; a missing Secret or key is
-``CreateContainerConfigError``) → the first container's ``command + args`` as a
-process (the image maps executables such as ``python`` to local paths) with **only**
-that env (plus the image's base env: nothing leaks from the test process) → phase,
+``CreateContainerConfigError``) → the first container, run one of two ways:
+
+* **container** (``Image(container="localhost/...")``): ``podman run`` of that local image,
+  ``command`` replacing its ENTRYPOINT and ``args`` its CMD as Kubernetes does, ``workingDir``,
+  **only** the pod's env (passed through a private env file, never a command line),
+  ``--network host`` (the pod reaches the tests' 127.0.0.1 services), ``--pull never``.
+  Signals go to the container (``podman kill``), so graceful deletion, kill, evict and
+  ``activeDeadlineSeconds`` reach the image's real PID 1;
+* **process** (``Image({"python": sys.executable})``): ``command + args`` as a local process
+  (the image maps executables to local paths) with only that env plus the image's base env;
+
+→ phase,
 container state, exit code, stdout+stderr as pod logs, and Events
 (``Scheduled``, ``Pulled``, ``Started``, ``FailedScheduling``, ``Failed``, ``Killing``,
 ``Evicted``).
@@ -34,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.k8s_double import podman
 from tests.k8s_double.api import ApiError, Obj, ObjectStore, now_rfc3339
 
 PODS = "/api/v1/pods"
@@ -44,8 +55,9 @@ class Image:
     """What an image name runs as on this machine."""
 
     executables: dict[str, str] = field(default_factory=dict)  # e.g. {"python": sys.executable}
-    env: dict[str, str] = field(default_factory=dict)  # the image's own ENV lines
+    env: dict[str, str] = field(default_factory=dict)  # the image's own ENV lines (process mode)
     workdir: str | None = None
+    container: str | None = None  # a local podman image: pods of this image run as containers of it
 
 
 @dataclass
@@ -68,6 +80,8 @@ class PodRun:
     kill_message: str | None = None
     waiting_reason: str | None = None
     events_sent: set[str] = field(default_factory=set)
+    container_name: str | None = None  # container mode: the podman container running the pod
+    pending_signal: int | None = None  # container mode: a signal sent before the container existed
 
 
 class FakeKubelet:
@@ -113,7 +127,10 @@ class FakeKubelet:
         with self._lock:
             for run in self.runs.values():
                 if run.proc and run.proc.poll() is None:
-                    _signal_group(run.proc, signal.SIGKILL)
+                    self._signal(run, signal.SIGKILL)
+                    run.proc.wait(30)
+                if run.container_name:
+                    podman.remove(run.container_name)
 
     def run_of(self, namespace: str, name: str) -> PodRun:
         """The latest pod of that name (names can be reused after a deletion)."""
@@ -130,7 +147,7 @@ class FakeKubelet:
             run = self.run_of(namespace, name)
             run.kill_reason = reason
             if run.proc and run.proc.poll() is None:
-                _signal_group(run.proc, sig)
+                self._signal(run, sig)
 
     def evict(
         self, namespace: str, name: str, message: str = "The node was low on resource: memory."
@@ -140,7 +157,7 @@ class FakeKubelet:
             run.kill_reason, run.kill_message = "Evicted", message
             self._event(namespace, name, "Evicted", message, "Warning")
             if run.proc and run.proc.poll() is None:
-                _signal_group(run.proc, signal.SIGKILL)
+                self._signal(run, signal.SIGKILL)
 
     def running(self, namespace: str | None = None) -> list[PodRun]:
         with self._lock:
@@ -164,7 +181,7 @@ class FakeKubelet:
             grace = 30 if grace is None else grace
             run.delete_deadline = time.monotonic() + grace
             self._event(namespace, name, "Killing", "Stopping container base", "Normal")
-            _signal_group(run.proc, signal.SIGKILL if grace == 0 else signal.SIGTERM)
+            self._signal(run, signal.SIGKILL if grace == 0 else signal.SIGTERM)
             return True
 
     # the node's loop
@@ -196,7 +213,7 @@ class FakeKubelet:
                 if run.proc is None or self.store.get(PODS, run.namespace, run.name) is not None:
                     continue
                 if run.proc.poll() is None:
-                    _signal_group(run.proc, signal.SIGKILL)
+                    self._signal(run, signal.SIGKILL)
                     continue
                 code = run.proc.returncode
                 run.exit_code, run.finished_at = (code if code >= 0 else 128 - code), time.time()
@@ -265,26 +282,30 @@ class FakeKubelet:
         except ApiError as exc:
             self._wait(run, cname, image_name, "CreateContainerConfigError", exc.message)
             return
-        argv = list(container.get("command") or []) + list(container.get("args") or [])
-        if not argv:
+        command, args = list(container.get("command") or []), list(container.get("args") or [])
+        if image.container is None and not command + args:
             self._wait(
-                run, cname, image_name, "CreateContainerError", "no command: the double has no image CMD"
+                run, cname, image_name, "CreateContainerError", "no command: a process image has no CMD"
             )
             return
-        argv[0] = image.executables.get(argv[0], argv[0])
-        run.argv, run.env_names = argv, sorted(env)
-        proc_env = {**self.base_env, **image.env, **env}
-        cwd = image.workdir or (str(self.workdir) if self.workdir else None)
+        run.argv, run.env_names = command + args, sorted(env)
         self.store.reset_log(ns, name)
-        proc = subprocess.Popen(
-            argv,
-            env=proc_env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        if image.container is not None:
+            run.container_name = f"k8s-{ns}-{name}-{run.uid[:8]}"
+            proc = podman.start(
+                run.container_name, image.container, command, args, env, container.get("workingDir")
+            )
+        else:
+            argv = [image.executables.get(command[0], command[0]), *command[1:]] if command else args
+            proc = subprocess.Popen(
+                argv,
+                env={**self.base_env, **image.env, **env},
+                cwd=container.get("workingDir") or image.workdir or (self.workdir and str(self.workdir)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         run.proc, run.started_at, run.waiting_reason = proc, time.time(), None
         threading.Thread(target=self._pump_logs, args=(ns, name, proc), daemon=True).start()
         self._event(
@@ -292,6 +313,7 @@ class FakeKubelet:
         )
         self._event(ns, name, "Started", f"Started container {cname}", "Normal")
         started = now_rfc3339()
+        image_id = f"podman://{image.container}" if image.container else f"double://{image_name}"
         self._set_status(
             ns,
             name,
@@ -308,7 +330,7 @@ class FakeKubelet:
                     {
                         "name": cname,
                         "image": image_name,
-                        "imageID": f"double://{image_name}",
+                        "imageID": image_id,
                         "ready": True,
                         "started": True,
                         "restartCount": 0,
@@ -359,9 +381,11 @@ class FakeKubelet:
                 run.kill_reason = "DeadlineExceeded"
                 run.kill_message = "Pod was active on the node longer than the specified deadline"
                 self._event(run.namespace, run.name, "DeadlineExceeded", run.kill_message, "Warning")
-                _signal_group(run.proc, signal.SIGKILL)
+                self._signal(run, signal.SIGKILL)
             if run.delete_deadline and time.monotonic() >= run.delete_deadline:
-                _signal_group(run.proc, signal.SIGKILL)
+                self._signal(run, signal.SIGKILL)
+            elif run.pending_signal is not None:
+                self._signal(run, run.pending_signal)
             return
         if run.reason is not None:
             return
@@ -410,6 +434,18 @@ class FakeKubelet:
             self.store.append_log(ns, name, raw.decode("utf-8", "backslashreplace").rstrip("\n"))
 
     # helpers
+    def _signal(self, run: PodRun, sig: int) -> None:
+        """Signal the pod's container (its PID 1), or the process group of a process pod."""
+        if run.proc is None:
+            return
+        if run.container_name is None:
+            _signal_group(run.proc, sig)
+            return
+        # A container that podman run has not created yet cannot be signalled: try again on the
+        # next sync, as long as its podman run is alive.
+        delivered = podman.kill(run.container_name, sig)
+        run.pending_signal = None if delivered or run.proc.poll() is not None else sig
+
     def _resolve_env(self, ns: str, pod: Obj, container: Obj) -> dict[str, str]:
         env: dict[str, str] = {}
         for item in container.get("env") or []:

@@ -33,6 +33,7 @@ exit codes:
   5   storage failed (reading the shard or writing checkpoints); re-run to resume
   6   the shard changed after it was planned (re-split the batch)
   70  unexpected internal error (a bug: please report it with the log)
+  143 terminated by SIGTERM (a pod deletion); answers checkpointed so far are kept: re-run
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -59,6 +61,7 @@ EXIT_MODEL_NOT_SERVED = 4
 EXIT_STORAGE = 5
 EXIT_SHARD_CHANGED = 6
 EXIT_INTERNAL = 70
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell or a kubelet reports for SIGTERM
 
 _EXIT_FOR: list[tuple[type[BaseException], int]] = [
     (EndpointUnavailable, EXIT_ENDPOINT_UNAVAILABLE),
@@ -175,7 +178,18 @@ def exit_code_for(outcome: dict[str, Any]) -> int:
     return EXIT_REQUEST_ERRORS if outcome["failed"] or outcome["resumed_failed"] else EXIT_OK
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: the pod is being deleted (or the node drained)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    # In a container the driver is PID 1, for which the kernel ignores SIGTERM unless a handler
+    # is installed: without this a pod deletion would wait out its whole grace period.
+    signal.signal(signal.SIGTERM, _terminate)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -186,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))  # exits 2 with the usage line
     try:
         outcome = asyncio.run(_run(args, config)).as_dict()
+    except Terminated:
+        log.error("terminated (SIGTERM); answers checkpointed so far are kept, re-run to resume")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         log.error("interrupted; answers checkpointed so far are kept, re-run to resume")
         return 130

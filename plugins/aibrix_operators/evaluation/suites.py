@@ -8,6 +8,7 @@ parameters, scorer and thresholds, and its cron schedule. Pure Python, no Airflo
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,10 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+# The deployment's project folder (config/eval_suites.yaml, the datasets under examples/): an
+# image sets AIBRIX_PROJECT_ROOT, since an installed package's own path says nothing about it;
+# a source checkout is found from this file.
+REPO_ROOT = Path(os.environ.get("AIBRIX_PROJECT_ROOT") or Path(__file__).resolve().parents[3])
 DEFAULT_CONFIG = REPO_ROOT / "config" / "eval_suites.yaml"
 DEFAULT_SCHEDULE = "0 2 * * *"
 

@@ -1,0 +1,1 @@
+"""Nightly model evaluation, no Airflow: suites, scorers, statistics, history and the report."""

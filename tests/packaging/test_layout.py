@@ -1,0 +1,56 @@
+"""README's Layout table is the map of the tree: every package folder and every top-level folder
+has a row, and every row names something that exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def layout_paths() -> set[str]:
+    """The paths of the table's first column, ``a/{b,c}/`` expanded, without trailing slashes."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n## Layout\n"):]
+    section = section[: section.index("\n## ", 1)]
+    paths: set[str] = set()
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first_cell = line.split("|")[1]
+        for path in re.findall(r"`([^`]+)`", first_cell):
+            match = re.fullmatch(r"(.*)\{([^}]+)\}(.*)", path)
+            expanded = [match[1] + alt + match[3] for alt in match[2].split(",")] if match else [path]
+            paths |= {p.rstrip("/") for p in expanded}
+    return paths
+
+
+def package_folders() -> set[str]:
+    return {
+        init.parent.relative_to(REPO).as_posix()
+        for root in ("plugins/aibrix_operators", "kvcache")
+        for init in (REPO / root).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+
+
+def top_level_folders() -> set[str]:
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    return {line.split("/")[0] for line in tracked.stdout.splitlines() if "/" in line} - {".ci"}
+
+
+def test_every_package_folder_has_a_row():
+    missing = package_folders() - layout_paths()
+    assert not missing, f"package folders missing from README's Layout table: {sorted(missing)}"
+
+
+def test_every_top_level_folder_has_a_row():
+    missing = top_level_folders() - layout_paths()
+    assert not missing, f"top-level folders missing from README's Layout table: {sorted(missing)}"
+
+
+def test_every_row_names_something_that_exists():
+    gone = sorted(p for p in layout_paths() if not (REPO / p).exists())
+    assert not gone, f"README's Layout table names paths that do not exist: {gone}"
