@@ -8,7 +8,6 @@ this process (tests/k8s_double), so tests can kill, delete and fault what the DA
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,9 @@ from kubernetes import client, config
 
 from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests, dags_test, read_jsonl
 from tests.k8s_double import FakeCluster, Image
+from tests.k8s_double.fixtures import driver_container_image
 
 NS = "batch"
-DRIVER_IMAGE = "local/batch-driver:test"
 PLANTED = "sk-planted-k8s-3b9d27e1c4"  # the inference Secret's key: must never leave the Secret
 
 
@@ -34,10 +33,9 @@ def bucket(s3_server) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, s3_server, vllm_chat) -> Iterator[FakeCluster]:
-    # The driver image: this checkout's orchestrator venv stands in for the slim driver image.
-    with FakeCluster(
-        tmp_path_factory.mktemp("k8s"), images={DRIVER_IMAGE: Image({"python": sys.executable})}
-    ) as c:
+    # Driver pods run as podman containers of the batch-driver image built from this checkout.
+    image = driver_container_image()
+    with FakeCluster(tmp_path_factory.mktemp("k8s"), images={image: Image(container=image)}) as c:
         c.add_secret(NS, "aibrix-batch-s3", {**s3_server.env()})
         c.add_secret(
             NS,
@@ -61,7 +59,7 @@ def k8s_env(airflow_session_env, cluster, s3_server) -> dict[str, str]:
         "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),  # validate/split/merge; pods use the S3 Secret
         "AIRFLOW_CONN_KUBERNETES_DEFAULT": cluster.airflow_connection(NS),
         "AIRFLOW__AIBRIX_BATCH__KUBERNETES_NAMESPACE": NS,
-        "AIRFLOW__AIBRIX_BATCH__DRIVER_IMAGE": DRIVER_IMAGE,
+        "AIRFLOW__AIBRIX_BATCH__DRIVER_IMAGE": driver_container_image(),
         "AIRFLOW__AIBRIX_BATCH__DRIVER_POLL_INTERVAL_S": "0.5",
     }
 
@@ -115,6 +113,7 @@ def test_batch_runs_in_driver_pods_through_api_faults(
     runs = runs_of(cluster, batch["id"])
     assert sorted(r.labels["aibrix.ai/shard-index"] for r in runs) == ["0", "1", "2"]
     assert {r.labels["aibrix.ai/attempt"] for r in runs} == {"1"} and {r.exit_code for r in runs} == {0}
+    assert all(r.container_name for r in runs)  # 3 pods, each a container of the built driver image
     run = runs[0]
     assert run.argv[1:3] == ["-m", "aibrix_operators.driver.cli"]
     assert run.argv[run.argv.index("--endpoint") + 1] == vllm_chat.base_url
@@ -200,6 +199,10 @@ def test_pod_killed_or_deleted_mid_shard_is_retried_and_resumes(
         )
         assert [a for a, _ in attempts] == ["1", "2"], attempts
         assert attempts[0][1] != 0 and attempts[1][1] == 0
+    assert len(runs) == 4 and all(r.container_name for r in runs)  # 2 shards x 2 attempts, as containers
+    # The deleted pod's driver (PID 1 of its container) took its SIGTERM and exited on it.
+    deleted = [r for r in runs if r.name == done["1"]]
+    assert [r.exit_code for r in deleted] == [143], deleted
     # The retries resumed: the second pod of each shard skipped what the first had checkpointed.
     killed_log = [
         ln.text

@@ -14,7 +14,6 @@ role's "pod" runs on another node with the real vLLM CPU server as its ``/metric
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +25,11 @@ import pytest
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
 from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests
 from tests.k8s_double import FakeCluster, Image
+from tests.k8s_double.fixtures import driver_container_image
 from tests.scaling.k8s_scaling_double import STORMSERVICES, ScalingApiDouble, storm_service
 from tests.scaling.vllm_pods import role_pod
 
 NS = "batch"
-DRIVER_IMAGE = "local/batch-driver:test"
 # The deployment's scaling settings: both roles start at 2, must be at least 4 while a batch
 # runs (min_replicas), and go to 0 after it.
 ROLES = {
@@ -42,9 +41,10 @@ ROLES = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, s3_server, vllm_chat) -> Iterator[FakeCluster]:
+    # Driver pods run as podman containers of the batch-driver image built from this checkout.
+    image = driver_container_image()
     with FakeCluster(
-        tmp_path_factory.mktemp("k8s-scaling"), images={DRIVER_IMAGE: Image({"python": sys.executable})},
-        api=ScalingApiDouble(),
+        tmp_path_factory.mktemp("k8s-scaling"), images={image: Image(container=image)}, api=ScalingApiDouble()
     ) as c:
         c.add_secret(NS, "aibrix-batch-s3", {**s3_server.env()})
         c.add_secret(NS, "aibrix-batch-inference", {"OPENAI_API_KEY": "sk-scaling-test",
@@ -66,7 +66,7 @@ def airflow(airflow_session_env, tmp_path_factory, cluster, s3_server) -> Iterat
         "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
         "AIRFLOW_CONN_KUBERNETES_DEFAULT": cluster.airflow_connection(NS),
         "AIRFLOW__AIBRIX_BATCH__KUBERNETES_NAMESPACE": NS,
-        "AIRFLOW__AIBRIX_BATCH__DRIVER_IMAGE": DRIVER_IMAGE,
+        "AIRFLOW__AIBRIX_BATCH__DRIVER_IMAGE": driver_container_image(),
         "AIRFLOW__AIBRIX_BATCH__DRIVER_POLL_INTERVAL_S": "0.5",
         "AIRFLOW__AIBRIX_SCALING__ROLES": json.dumps(ROLES),
         "AIRFLOW__AIBRIX_SCALING__NAMESPACE": NS,
@@ -180,6 +180,8 @@ def test_roles_scale_up_beside_dispatch_and_down_after_merge(airflow, cluster, s
     states = task_states(airflow, run_id)
     assert states["roles_ready"] == ["success"] and states["autoscale"] == ["success"]
     assert states["dispatch"] == ["success", "success"] and states["scale_down"] == ["success"]
+    drivers = cluster.kubelet.all_runs()  # 2 pods, each a container of the built driver image
+    assert len(drivers) == 2 and all(r.container_name and r.exit_code == 0 for r in drivers), drivers
     # Up to the floor (4) before dispatch, through the StormService's role replicas; down to
     # idle (0) after merge. Every change is one PATCH of the StormService.
     assert role_replicas_history(cluster) == [
@@ -211,6 +213,8 @@ def test_autoscale_ends_when_a_shard_failed_for_good(airflow, cluster, s3_server
     run_id = run["dag_run_id"]
     states = task_states(airflow, run_id)
     assert sorted(states["dispatch"]) == ["failed", "success"]
+    assert len(cluster.kubelet.all_runs()) == 3  # this batch's one pod was created and ran as a container
+    assert all(r.container_name and r.exit_code == 0 for r in cluster.kubelet.all_runs())
     assert states["autoscale"] == ["success"] and states["scale_down"] == ["success"]
     ended = xcom(airflow, run_id, "autoscale")
     assert ended["ended"] == "every dispatch task has finished (1 of 2 failed)", ended

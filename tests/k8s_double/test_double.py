@@ -64,7 +64,7 @@ def test_pod_runs_with_secret_env_and_reports_logs_and_exit_code(fake_cluster) -
     ]
     code = (
         "import os,sys; print(os.environ['LIT'], len(os.environ['TOKEN']), 'OPT' in os.environ,"
-        " 'HOME' in os.environ, flush=True); print('err', file=sys.stderr); sys.exit(3)"
+        " 'PYTEST_CURRENT_TEST' in os.environ, flush=True); print('err', file=sys.stderr); sys.exit(3)"
     )
     api.create_namespaced_pod(NS, pod("p-1", code, env))
     done = wait_phase(api, "p-1", ("Failed",), fake_cluster)
@@ -83,7 +83,11 @@ def test_pod_runs_with_secret_env_and_reports_logs_and_exit_code(fake_cluster) -
 
 def test_list_watch_patch_delete_and_faults(fake_cluster) -> None:  # noqa: F811
     api = core(fake_cluster)
-    api.create_namespaced_pod(NS, pod("w-1", "import time; time.sleep(30)"))
+    # Exits 143 on SIGTERM: in a container it is PID 1, which the kernel shields from signals it
+    # has no handler for (the driver CLI installs one for the same reason).
+    sigterm_aware = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143));"
+                     " print('ready', flush=True); time.sleep(30)")
+    api.create_namespaced_pod(NS, pod("w-1", sigterm_aware))
     api.create_namespaced_pod(NS, pod("w-2", "pass"))
     assert [p.metadata.name for p in api.list_namespaced_pod(NS, label_selector="app=t,shard=1").items] == [
         "w-1"
@@ -92,6 +96,10 @@ def test_list_watch_patch_delete_and_faults(fake_cluster) -> None:  # noqa: F811
         api.create_namespaced_pod(NS, pod("w-1", "pass"))
     assert conflict.value.status == 409
     wait_phase(api, "w-1", ("Running",), fake_cluster)
+    fake_cluster.wait_for(  # its SIGTERM handler is in place (a container takes a moment to start)
+        lambda: "ready" in api.read_namespaced_pod_log("w-1", NS, _preload_content=False).data.decode(),
+        30, "w-1 ready",
+    )
     api.patch_namespaced_pod("w-1", NS, {"metadata": {"labels": {"checked": "True"}}})
     assert api.read_namespaced_pod("w-1", NS).metadata.labels["checked"] == "True"
     seen = []

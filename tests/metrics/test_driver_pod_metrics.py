@@ -15,7 +15,7 @@ from kubernetes import client, config
 from kubernetes.client import ApiClient
 
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
-from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, fake_cluster  # noqa: F401 - fixture
+from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, process_cluster  # noqa: F401 - fixture
 from tests.metrics.conftest import REPO
 
 NOW = 1_800_000_000.0
@@ -94,8 +94,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_driver_pod_serves_and_pushes_its_metrics(tmp_path, fake_cluster, fault_server,  # noqa: F811
+def test_driver_pod_serves_and_pushes_its_metrics(tmp_path, process_cluster, fault_server,  # noqa: F811
                                                   make_request, pushgateway):
+    # Process mode: the shard is a local file, and the double does not model volumes. The driver
+    # image runs real shards in tests/images and tests/integration/test_dag_kubernetes*.py.
+    fake_cluster = process_cluster
     port = _free_port()  # the fake kubelet runs pods on this host's network: no fixed port
     shard = tmp_path / "shard-00000.jsonl"
     shard.write_text("".join(json.dumps(make_request(f"s{i}", "slow:0.2")) + "\n" for i in range(30)))
