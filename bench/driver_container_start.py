@@ -30,9 +30,11 @@ sys.path.insert(0, str(REPO))
 from tests.images.containers import RUN_FLAGS, build  # noqa: E402
 from tests.k8s_double.podman import PODMAN  # noqa: E402
 
-ANSWER = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+ANSWER = {
+    "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}  # fmt: skip
 
 
 class FirstRequestStub:
@@ -73,9 +75,10 @@ def shard(dir_: Path, n: int) -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     os.chmod(dir_, 0o777)  # the image's uid 65532 writes its results here
     path = dir_ / "shard-00000.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                                        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}})
-                            + "\n" for i in range(n)))  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    lines = (json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+             for i in range(n))  # fmt: skip
+    path.write_text("".join(line + "\n" for line in lines))
     return path
 
 
@@ -89,7 +92,9 @@ def time_to_first_request(argv: list[str], stub: FirstRequestStub) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args()

@@ -51,7 +51,7 @@ class DriverPodSettings:
     allowed_namespaces: tuple[str, ...] = ()  # empty: only ``namespace``
     service_account: str = "aibrix-batch-driver"
     allowed_service_accounts: tuple[str, ...] = ()  # empty: only ``service_account``
-    image: str = "aibrix-batch/batch-driver:0.1.0"  # the package version: inference_images/build.py tags it so
+    image: str = "aibrix-batch/batch-driver:0.1.0"  # the package's version, as inference_images/build.py tags
     image_pull_policy: str = "IfNotPresent"
     s3_secret: str | None = "aibrix-batch-s3"
     inference_secret: str | None = "aibrix-batch-inference"
