@@ -8,23 +8,12 @@ import json
 import os
 import re
 
-from aibrix_operators.driver.results import shard_result_log
 from aibrix_operators.storage import LocalStorage, S3Storage
-from tests.driver.test_driver_faults import RECORD_KEYS, write_shard
+from tests.driver.test_driver_faults import results_by_id, write_shard
 from tests.images.containers import inspect, last_error_line, run
 
 FAST = ["--backoff-base", "0.01", "--backoff-max", "0.1", "--flush-interval", "0.05",
         "--progress-interval", "0.5"]  # fmt: skip
-
-
-def answered_once(storage, prefix: str, shard_uri: str) -> dict[str, dict]:
-    seen: dict[str, dict] = {}
-    for cid, line in shard_result_log(storage, prefix, shard_uri).iter_records():
-        assert cid not in seen, f"{cid} answered twice"
-        record = json.loads(line)
-        assert set(record) == RECORD_KEYS
-        seen[cid] = record
-    return seen
 
 
 def test_the_entrypoint_starts_and_runs_as_non_root(driver_image):
@@ -54,7 +43,7 @@ def test_a_shard_on_a_mounted_volume(driver_image, fault_server, make_request, t
     assert proc.returncode == 1, f"exit {proc.returncode}: {last_error_line(proc)}"
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (outcome["completed"], outcome["failed"]) == (12, 1)
-    seen = answered_once(LocalStorage(), str(data / "results"), str(data / "shard-00000.jsonl"))
+    seen = results_by_id(LocalStorage(), str(data / "results"), str(data / "shard-00000.jsonl"))
     assert sorted(seen) == sorted(r["custom_id"] for r in records)
     assert seen["bad"]["error"] is not None and seen["vol-0"]["response"]["status_code"] == 200
     assert fault_server.counts() == {r["custom_id"]: 1 for r in records}
@@ -77,7 +66,7 @@ def test_a_shard_in_s3(driver_image, fault_server, make_request, s3_server, tmp_
     )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}: {last_error_line(proc)}"
     storage = S3Storage(client=s3)
-    seen = answered_once(storage, "s3://driver-image/run/results/shard-00000",
+    seen = results_by_id(storage, "s3://driver-image/run/results/shard-00000",
                          "s3://driver-image/run/shards/shard-00000.jsonl")  # fmt: skip
     assert sorted(seen) == sorted(r["custom_id"] for r in records)
     assert all(r["response"]["status_code"] == 200 for r in seen.values())

@@ -30,6 +30,8 @@ async def test_the_router_container_sends_prefill_then_decode(router_image):
                                 break
                     except aiohttp.ClientConnectionError:
                         pass
+                    if not router.running():  # a crashing entrypoint fails here with its own last lines
+                        raise AssertionError("the router container exited:\n" + router.logs()[-3000:])
                     await asyncio.sleep(0.5)
                 else:
                     raise AssertionError("router container never became healthy:\n" + router.logs()[-3000:])
