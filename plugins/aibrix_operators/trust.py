@@ -14,7 +14,13 @@ config by ``hooks/trust.py``; this module imports no Airflow) lists:
 
 Every check raises ``TrustViolation`` naming the rule, before anything is
 read or written. API keys never come from params: they come from an inference
-connection and are bound to that connection's origin (see ``origin``).
+connection and are bound to that connection's base URL (see ``under_base``).
+
+An endpoint is a plain base URL that every party reads the same way: no query or
+fragment (which would swallow the request path appended to it), no percent-escapes,
+backslashes, control characters, dot or empty segments (which a server may resolve
+to another path than the allow-list saw). Such a URL is refused, not normalised, so
+the URL that was checked is byte for byte the URL that is sent.
 """
 
 from __future__ import annotations
@@ -149,7 +155,40 @@ def same_origin(a: str, b: str) -> bool:
         return False
 
 
+def under_base(url: str, base: str) -> bool:
+    """``url`` is ``base`` or below its path (on ``/`` boundaries), with the same origin."""
+    try:
+        scheme, host, port, path = _url_parts(url)
+        b_scheme, b_host, b_port, b_path = _url_parts(base)
+    except ValueError:
+        return False
+    if (scheme, host, port) != (b_scheme, b_host, b_port):
+        return False
+    prefix = b_path.rstrip("/")
+    return not prefix or path.rstrip("/") == prefix or path.startswith(prefix + "/")
+
+
+def endpoint_form_problem(url: str) -> str | None:
+    """Why ``url`` is not a plain base URL (see the module docstring), or ``None``."""
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+        return "control characters or spaces are not accepted"
+    if "?" in url or "#" in url:
+        return ("an endpoint is a base URL with no query or fragment "
+                "(the request path is appended to it)")  # fmt: skip
+    if "%" in url or "\\" in url:
+        return "percent-escapes and backslashes are not accepted; write the path plainly"
+    path = urlsplit(url).path
+    if any(segment in (".", "..") for segment in path.split("/")):
+        return "'.' and '..' path segments are not accepted"
+    if "//" in path:
+        return "empty path segments ('//') are not accepted"
+    return None
+
+
 def _url_parts(url: str) -> tuple[str, str, int, str]:
+    problem = endpoint_form_problem(url)
+    if problem:
+        raise ValueError(problem)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS:

@@ -134,3 +134,14 @@ def test_kvcache_prefix_pooled_ratio_averages_over_each_conditions_servers() -> 
     assert abs(pooled["median"] - 1.0) < 1e-9
     assert pooled["servers"] == [["ours_sync_l1", "ours_sync_l1#2"], ["ours_l1", "ours_l1#2"]]
     assert "hit ours_l1 / example_conn, pooled" not in ratios  # needs two servers of each
+
+
+def test_driver_container_start_bench_runs_both_modes() -> None:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(BENCH / "driver_container_start.py"), "--runs", "1",
+                           "--requests", "3"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert {line.split()[0] for line in lines[-3:-1]} == {"container", "process"}, lines
+    assert lines[-1].startswith("container / process (medians): ")

@@ -11,9 +11,10 @@ JSON; logs go to stderr.
 
 environment:
   OPENAI_API_KEY          API key sent as "Authorization: Bearer ..." (the variable's name
-                          is --api-key-env); sent only if OPENAI_API_KEY_ORIGIN (or
-                          --api-key-origin) names the endpoint's origin (scheme://host:port),
-                          so a mistyped --endpoint never receives it. Mount the key from a
+                          is --api-key-env); sent only if --endpoint is OPENAI_API_KEY_ORIGIN
+                          (or --api-key-origin: scheme://host:port, optionally with a base
+                          path) or below its path, so a mistyped --endpoint never receives
+                          it. Mount the key from a
                           Kubernetes Secret; it is never a flag.
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION
                           credentials and endpoint for s3:// URIs (boto3's usual variables).
@@ -103,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--api-key-env", default=d.api_key_env, metavar="NAME",
                        help="environment variable holding the API key (default: %(default)s)")
     where.add_argument("--api-key-origin", default=None, metavar="ORIGIN",
-                       help="scheme://host:port the key belongs to; it is sent only when --endpoint "
-                            "has this origin (default: the NAME_ORIGIN environment variable)")
+                       help="scheme://host:port[/base] the key belongs to; it is sent only when "
+                            "--endpoint is that URL or below its path (default: the NAME_ORIGIN "
+                            "environment variable)")
 
     send = p.add_argument_group("sending")
     send.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",

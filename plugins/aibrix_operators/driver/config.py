@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from aibrix_operators.trust import same_origin
+from aibrix_operators.trust import endpoint_form_problem, under_base
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,10 @@ class DriverConfig:
     extra_headers: dict[str, str] = field(default_factory=dict, repr=False)
     # The API key, from an Airflow connection; repr=False keeps it out of logs and tracebacks.
     api_key: str | None = field(default=None, repr=False)
-    # The origin (scheme://host:port) the key belongs to: it is sent only when ``endpoint``
-    # has this origin, so a trigger that names another endpoint never receives it. For the
-    # env key, None means "${api_key_env}_ORIGIN" (e.g. OPENAI_API_KEY_ORIGIN).
+    # The base URL the key belongs to (an origin scheme://host:port, or one with a path): it
+    # is sent only when ``endpoint`` is that URL or below its path, so a trigger that names
+    # another endpoint never receives it. For the env key, None means "${api_key_env}_ORIGIN"
+    # (e.g. OPENAI_API_KEY_ORIGIN).
     api_key_origin: str | None = None
     # Outage handling (driver/health.py): this many infrastructure failures in a row pause
     # every request while the endpoint is probed every probe_interval_s; no answer for
@@ -67,6 +68,8 @@ class DriverConfig:
                 f"endpoint {self.endpoint!r} must be an http(s):// base URL of an "
                 "OpenAI-compatible server, e.g. http://127.0.0.1:8000"
             )
+        if problem := endpoint_form_problem(self.endpoint):
+            raise ValueError(f"endpoint {self.endpoint!r}: {problem}")
 
     @property
     def base_url(self) -> str:
@@ -80,6 +83,6 @@ class DriverConfig:
         if not key and self.api_key_env:
             key = os.environ.get(self.api_key_env)
             bound_to = bound_to or os.environ.get(f"{self.api_key_env}_ORIGIN")
-        if key and bound_to and same_origin(self.endpoint, bound_to):
+        if key and bound_to and under_base(self.endpoint, bound_to):
             headers["Authorization"] = f"Bearer {key}"
         return headers

@@ -30,7 +30,7 @@ class ModelNotServed(Exception):
 
 async def _list_models(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
     """The /v1/models listing; ``None`` when the server does not offer one."""
-    async with session.get(url) as resp:
+    async with session.get(url, allow_redirects=False) as resp:  # the key stays with the endpoint
         if resp.status >= 500 or resp.status in (408, 429):
             raise EndpointUnavailable(f"{url} answered HTTP {resp.status}; the server is not ready")
         if resp.status != 200:
@@ -54,12 +54,13 @@ async def probe_endpoint(
     try:
         if canary is not None:
             url = canary[0]
-            async with session.post(url, data=_one_token(url, canary[1]), timeout=timeout) as resp:
+            async with session.post(url, data=_one_token(url, canary[1]), timeout=timeout,
+                                    allow_redirects=False) as resp:
                 await resp.read()
                 if resp.status >= 500 or resp.status in (408, 429):
                     return f"replaying an answered request to {url} got HTTP {resp.status}"
                 return None
-        async with session.get(url, timeout=timeout) as resp:
+        async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
             await resp.read()
             return f"{url} answered HTTP {resp.status}" if resp.status >= 500 else None
     except (aiohttp.ClientError, TimeoutError) as exc:

@@ -365,9 +365,10 @@ class _Sender:
                 return _expired(custom_id, last)
             prev_mark, cur_mark = cur_mark, health.successes
             attempts += 1
-            # The request inline, not in a helper coroutine: this runs once per request.
+            # The request inline, not in a helper coroutine: this runs once per request. A
+            # redirect is the endpoint's answer, never a place to send the body (and the key).
             try:
-                async with self.session.post(url, data=payload) as resp:
+                async with self.session.post(url, data=payload, allow_redirects=False) as resp:
                     raw = await resp.read()
                     result = self._classify(custom_id, resp.status, raw, resp.headers)
             except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
@@ -439,6 +440,14 @@ class _Sender:
             self.counters.usage.add_response_body(body)
             return success_record(custom_id, status, request_id or _body_id(body), body)
         body = _parse_error_body(raw)
+        if 300 <= status < 400:
+            location = str(headers.get("location", ""))[:200]
+            return error_record(
+                custom_id, "endpoint_redirected",
+                f"the endpoint answered HTTP {status}, a redirect to {location!r}; redirects are not "
+                "followed (requests go only to the allow-listed endpoint): point endpoint at the server "
+                "that answers", status, request_id, body,
+            )  # fmt: skip
         code, message = _error_of(status, body)
         if is_retryable_status(status):
             return _Failure(code, message, status, request_id, body,

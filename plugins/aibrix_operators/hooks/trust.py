@@ -17,10 +17,11 @@ from aibrix_operators.trust import (
     TrustPolicy,
     TrustViolation,
     connection_url,
+    endpoint_form_problem,
     local_development_policy,
     origin,
     parse_list,
-    same_origin,
+    under_base,
 )
 
 SECTION = "aibrix_batch"
@@ -60,7 +61,8 @@ def resolve_inference(
     """Check the trigger's ``endpoint``/``inference_conn_id`` and return the target.
 
     With a connection, its host is the endpoint and its password the key (bound
-    to that host); an ``endpoint`` param may then only repeat the same origin.
+    to that base URL: origin and path); an ``endpoint`` param may then only name
+    that base URL or a path below it.
     Without one, the free-form endpoint must be on the allow-list and gets no key.
     """
     if not inference_conn_id:
@@ -72,10 +74,12 @@ def resolve_inference(
 
     conn = BaseHook.get_connection(inference_conn_id)
     url = connection_url(conn.host, conn.schema, conn.port)
-    if endpoint and not same_origin(endpoint, url):
+    problem = endpoint_form_problem(endpoint) if endpoint else None
+    if problem or (endpoint and not under_base(endpoint, url)):
         raise TrustViolation(
             "inference_conn_id",
-            f"endpoint {endpoint!r} is not the host of inference connection {inference_conn_id!r} "
-            f"({origin(url)}); leave endpoint empty to use the connection's host",
+            f"endpoint {endpoint!r} is not the base URL of inference connection {inference_conn_id!r} "
+            f"({origin(url)}) or a path below it{f' ({problem})' if problem else ''}; "
+            "leave endpoint empty to use the connection's URL",
         )
-    return InferenceTarget(endpoint or url, conn.password or None, origin(url))
+    return InferenceTarget(endpoint or url, conn.password or None, url)
