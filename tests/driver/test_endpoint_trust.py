@@ -20,8 +20,9 @@ from aibrix_operators.storage import LocalStorage
 from aibrix_operators.trust import TrustPolicy, TrustViolation, endpoint_form_problem, under_base
 from tests.driver.test_driver_faults import results_by_id, write_shard
 
+MESSAGE = {"role": "assistant", "content": "ok"}
 ANSWER = {"id": "c", "object": "chat.completion", "model": "m",
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+          "choices": [{"index": 0, "message": MESSAGE, "finish_reason": "stop"}],
           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
 
 
@@ -87,7 +88,8 @@ ESCAPES = ["/team-a/../admin", "/team-a/%2e%2e/admin", "/team-a/%2E%2E/admin", "
 @pytest.mark.parametrize("escape", ESCAPES)
 async def test_a_path_prefix_cannot_be_escaped(recorder, escape, tmp_path):
     server = await recorder()
-    policy = TrustPolicy(endpoints=(f"{server.url}/team-a",), storage=(), aws_conn_ids=(), inference_conn_ids=())
+    policy = TrustPolicy(endpoints=(f"{server.url}/team-a",), storage=(), aws_conn_ids=(),
+                         inference_conn_ids=())  # fmt: skip
     with pytest.raises(TrustViolation, match="allowed_endpoints"):
         policy.check_endpoint(server.url + escape)
     with pytest.raises(ValueError):  # the driver refuses it too, whoever built its config
@@ -111,8 +113,8 @@ async def test_a_redirect_is_never_followed(recorder, tmp_path):
     assert sorted(records) == [f"r{i}" for i in range(5)]  # every request answered once
     for record in records.values():
         assert record["error"]["code"] == "endpoint_redirected", record
-        assert "redirects are not followed" in record["error"]["message"] and elsewhere.url in record["error"][
-            "message"]
+        message = record["error"]["message"]
+        assert "redirects are not followed" in message and elsewhere.url in message
     assert [m for m, _, _ in allowed.seen] == ["POST"] * 5
 
 
@@ -140,7 +142,7 @@ def test_an_inference_connection_binds_its_key_to_origin_and_base_path(monkeypat
     monkeypatch.setenv("AIRFLOW_CONN_TRUST_TEST", json.dumps(conn))
     policy = TrustPolicy(endpoints=(), storage=(), aws_conn_ids=(), inference_conn_ids=("trust_test",))
     target = resolve_inference(policy, None, "trust_test")
-    assert (target.endpoint, target.api_key_origin) == ("http://127.0.0.1:9/team-a", "http://127.0.0.1:9/team-a")
+    assert target.endpoint == target.api_key_origin == "http://127.0.0.1:9/team-a"
     assert resolve_inference(policy, "http://127.0.0.1:9/team-a/v1", "trust_test").api_key == "sk-conn"
     for foreign in ("http://127.0.0.1:9/team-b", "http://127.0.0.1:9/team-a?x=", "http://127.0.0.1:9/team-a#",
                     "http://127.0.0.1:9/team-a/../admin", "http://127.0.0.1:9"):
