@@ -18,6 +18,7 @@ from aibrix_operators.batch_api.ids import (
     check_batch_id,
     check_file_id,
     check_filename,
+    check_tenant,
     new_batch_id,
     new_file_id,
 )
@@ -188,3 +189,21 @@ def test_file_store_keeps_tenants_apart(tmp_path):
     evil = StoredFile(new_file_id(), 1, 1, "x", "batch", str(tmp_path / "tenants" / "beta" / "x"))
     with pytest.raises(ValueError):
         store.save_meta("alpha", evil)
+
+
+@pytest.mark.parametrize("suffix", ["\n", "\r\n", "\r", "\t", " "])
+def test_ids_with_a_trailing_newline_or_space_are_refused_everywhere(tmp_path, suffix):
+    # Issue 19, finding 11: "$" matched before a trailing newline, and S3 drops the newline, so
+    # the id aliased the real file. The real file stays reachable by its own id.
+    store = FileStore(LocalStorage(), str(tmp_path))
+    body, ctype = _multipart(b"{}\n")
+    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 100))
+    for check in (lambda: check_file_id(stored.id + suffix), lambda: store.get("alpha", stored.id + suffix),
+                  lambda: store.list("alpha", stored.id + suffix, 10, "desc", None),
+                  lambda: check_batch_id(new_batch_id("alpha") + suffix)):  # fmt: skip
+        with pytest.raises(ApiError) as exc:
+            check()
+        assert exc.value.status == 400
+    with pytest.raises(ValueError):
+        check_tenant("alpha" + suffix)
+    assert store.get("alpha", stored.id).id == stored.id

@@ -188,7 +188,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
     ) -> dict[str, Any]:
         ctx = context()
-        if idempotency_key is not None and not IDEMPOTENCY_KEY_RE.match(idempotency_key):
+        if idempotency_key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key):
             raise bad_request("Idempotency-Key must be 1 to 255 printable ASCII characters",
                               "Idempotency-Key", "invalid_idempotency_key")
         endpoint = check_endpoint(body.endpoint)

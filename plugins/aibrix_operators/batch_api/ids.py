@@ -19,6 +19,8 @@ from aibrix_operators.batch_api.errors import bad_request
 TENANT_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,46}[a-z0-9])?$")
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{12}[0-9a-f]{20}(?:-(?:output|errors))?$")
 BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{32}$")
+# These patterns are published in the OpenAPI schema (JSON Schema's "$" is the end of the text);
+# in Python "$" also matches before a trailing newline, so every check here is a fullmatch.
 MAX_FILENAME_CHARS = 255
 
 
@@ -46,19 +48,19 @@ def output_file_id(batch_id: str, kind: str) -> str:
 
 
 def check_tenant(name: str) -> str:
-    if not TENANT_RE.match(name):
+    if not TENANT_RE.fullmatch(name):
         raise ValueError(f"tenant name {name!r} must match {TENANT_RE.pattern}")
     return name
 
 
 def check_file_id(file_id: str, param: str = "file_id") -> str:
-    if not FILE_ID_RE.match(file_id):
+    if not FILE_ID_RE.fullmatch(file_id):
         raise bad_request(f"invalid file id {_shown(file_id)}", param, "invalid_file_id")
     return file_id
 
 
 def check_batch_id(batch_id: str, param: str = "batch_id") -> str:
-    if not BATCH_ID_RE.match(batch_id):
+    if not BATCH_ID_RE.fullmatch(batch_id):
         raise bad_request(f"invalid batch id {_shown(batch_id)}", param, "invalid_batch_id")
     return batch_id
 

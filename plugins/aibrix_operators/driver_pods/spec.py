@@ -305,7 +305,7 @@ def active_deadline_seconds(deadline: float, now: float, grace_s: int) -> int:
 
 
 def is_dns_label(name: str) -> bool:
-    return bool(_DNS_LABEL.match(name))
+    return bool(_DNS_LABEL.fullmatch(name))
 
 
 def _secret_env(name: str, secret: str, key: str, optional: bool) -> dict[str, Any]:
