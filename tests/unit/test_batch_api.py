@@ -207,3 +207,16 @@ def test_ids_with_a_trailing_newline_or_space_are_refused_everywhere(tmp_path, s
     with pytest.raises(ValueError):
         check_tenant("alpha" + suffix)
     assert store.get("alpha", stored.id).id == stored.id
+
+
+@pytest.mark.parametrize("name", ["input.txt", "input.json", "input", "input.jsonl.txt", "jsonl"])
+def test_a_batch_upload_must_be_a_jsonl_file_and_publishes_nothing(tmp_path, name):
+    # Issue 19, finding 16: OpenAI answers 400 for anything but .jsonl with purpose=batch.
+    store = FileStore(LocalStorage(), str(tmp_path))
+    body, ctype = _multipart(b'{"custom_id": "a"}\n', name=name)
+    with pytest.raises(ApiError) as exc:
+        asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 1000))
+    assert (exc.value.status, exc.value.message) == (400, "Invalid file format for Batch API. Must be .jsonl")
+    assert store.list("alpha", None, 10, "desc", None) == ([], False)
+    body, ctype = _multipart(b'{"custom_id": "a"}\n', name="Input.JSONL")  # the well-formed upload succeeds
+    assert asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 1000)).filename == "Input.JSONL"

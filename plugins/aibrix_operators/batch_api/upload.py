@@ -166,6 +166,10 @@ async def receive_upload(
             raise bad_request(f"purpose must be one of {list(ACCEPTED_PURPOSES)}, got {purpose[:40]!r}",
                               "purpose", "invalid_purpose")
         filename = check_filename(parts.filename or "")
+        if purpose == "batch" and not filename.lower().endswith(".jsonl"):
+            # OpenAI's own check and message: a Batch API input is a .jsonl file.
+            raise bad_request("Invalid file format for Batch API. Must be .jsonl", "file",
+                              "invalid_file_format")
         if parts.file_bytes == 0:
             raise bad_request("the file is empty", "file", "empty_file")
         if parts.pending:
