@@ -100,6 +100,12 @@ def test_status_mapping():
     assert obj["status"] == "cancelled" and obj["cancelled_at"] == 9
     assert obj["output_file_id"].endswith("-output") and obj["error_file_id"].endswith("-errors")
     assert obj["expires_at"] == 100 + 3600 and obj["input_file_id"] == "file-x"
+    # Issue 19, finding 15: cancelled or expired with nothing completed: no output file id.
+    for status in ("cancelled", "expired"):
+        done.batch_json = {"status": status, "output_file_id": "/o", "error_file_id": "/e",
+                           "request_counts": {"total": 3, "completed": 0, "failed": 3}}
+        obj = batch_object(done)
+        assert obj["output_file_id"] is None and obj["error_file_id"].endswith("-errors"), obj
     failed = _snap("failed")
     failed.batch_json = {"status": "failed", "errors": {"data": [
         {"code": "invalid_json_line", "line": 2, "message": "m", "param": None, "task": "x"}]}}

@@ -93,7 +93,9 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
             counts = {"total": total, "completed": 0, "failed": 0}
     output_id = error_id = None
     if status in ("completed", "expired", "cancelled"):
-        if published.get("output_file_id"):
+        # Like error_file_id: no file id for an output with nothing in it (OpenAI's rule; a
+        # batch cancelled or expired before any answer has no output file).
+        if published.get("output_file_id") and counts.get("completed", 0) > 0:
             output_id = output_file_id(snap.batch_id, "output")
         if published.get("error_file_id") and counts.get("failed", 0) > 0:
             error_id = output_file_id(snap.batch_id, "errors")
