@@ -297,3 +297,25 @@ async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fau
     assert counts["total"] == 400 and counts["completed"] + counts["failed"] == 400
     assert summary.error_codes == {"batch_cancelled": counts["failed"]}
     assert counts["completed"] == len(fault_server.counts())  # every request sent was answered
+
+
+async def test_a_cancel_before_the_shard_starts_sends_nothing(tmp_path, fault_server, make_request):
+    # Issue 19, finding 14: the cancel watch started beside the workers, so a shard cancelled
+    # before it began still sent up to `concurrency` requests (AIBrix's own API test caught it).
+    from aibrix_operators.batch.job import request_cancel, run_shard_of_batch
+
+    storage = LocalStorage()
+    records = [make_request(f"c-{i:03d}") for i in range(30)]
+    inp = tmp_path / "input.jsonl"
+    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    out = str(tmp_path / "out")
+    report, batch = validate_batch(storage, str(inp), out)
+    work = work_prefix(out, "run")
+    (shard,) = split_batch(storage, batch, work, 30, bytes_per_shard=1 << 30, max_shards=1)
+    request_cancel(storage, work)
+    outcome = await run_shard_of_batch(storage, shard, work, config(fault_server, concurrency=64,
+                                                                    cancel_poll_s=5.0))
+    assert fault_server.counts() == {}  # not one request went out
+    assert outcome.cancelled and (outcome.completed, outcome.failed) == (0, 30)
+    summary, obj = finalize_batch(storage, batch, [shard], work)
+    assert obj.status == "cancelled" and summary.error_codes == {"batch_cancelled": 30}

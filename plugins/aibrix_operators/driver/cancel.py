@@ -25,19 +25,22 @@ class CancelWatch:
         self.requested = asyncio.Event()
         self.cancelled = False  # a plain attribute: workers read it before every attempt
 
+    async def check(self) -> bool:
+        """Look for the marker once; True (and ``cancelled`` set) once it is there."""
+        if self.uri is None or self.requested.is_set():
+            return self.cancelled
+        try:
+            found = await asyncio.to_thread(self.storage.exists, self.uri)
+        except Exception as exc:  # noqa: BLE001 - a store hiccup must not fail the shard
+            log.warning("cannot check the cancel marker %s (%s); will look again", self.uri, exc)
+            return False
+        if found:
+            log.warning("cancel requested (%s): no new requests; unanswered ones end as "
+                        "batch_cancelled", self.uri)
+            self.cancelled = True
+            self.requested.set()
+        return found
+
     async def run(self) -> None:
-        if self.uri is None:
-            return
-        while not self.requested.is_set():
-            try:
-                found = await asyncio.to_thread(self.storage.exists, self.uri)
-            except Exception as exc:  # noqa: BLE001 - a store hiccup must not fail the shard
-                log.warning("cannot check the cancel marker %s (%s); will look again", self.uri, exc)
-                found = False
-            if found:
-                log.warning("cancel requested (%s): no new requests; unanswered ones end as "
-                            "batch_cancelled", self.uri)
-                self.cancelled = True
-                self.requested.set()
-                return
+        while self.uri is not None and not await self.check():
             await asyncio.sleep(self.poll_s)

@@ -190,6 +190,9 @@ async def _send_all(
         )
         counters.health = health
         sender = _Sender(session, config, counters, health, cancel)
+        # Before any worker starts: a cancel that came before the shard did must stop every request
+        # (the watch below only polls, and the workers would send `concurrency` requests first).
+        await cancel.check()
         try:
             async with asyncio.TaskGroup() as tg:
                 write_task = tg.create_task(writer.run())
