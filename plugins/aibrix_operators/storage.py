@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
-from urllib.parse import urlparse
 
 MULTIPART_PART_BYTES = 8 * 1024 * 1024
 READ_BUFFER_BYTES = 1024 * 1024
@@ -115,11 +114,25 @@ class LocalStorage:
 # ---------------------------------------------------------------------------- s3
 
 
+def has_control_characters(text: str) -> bool:
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+
+
 def split_s3_uri(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
+    """``s3://bucket/key`` as (bucket, key), the key exactly as written.
+
+    Not ``urlparse``: it drops TAB/CR/LF anywhere and cuts the key at ``?`` or ``#``, so two
+    URIs would address one object, and what a check saw would not be what was read or written.
+    Control characters are refused: no check or listing can show them faithfully.
+    """
+    if not uri.startswith("s3://"):
         raise StorageError(f"{uri!r} is not an s3://bucket/key URI")
-    return parsed.netloc, parsed.path.lstrip("/")
+    if has_control_characters(uri):
+        raise StorageError(f"{uri!r}: control characters are not accepted in s3:// URIs")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise StorageError(f"{uri!r} is not an s3://bucket/key URI")
+    return bucket, key.lstrip("/")
 
 
 def default_s3_client() -> Any:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from aibrix_operators.storage import StorageError, has_control_characters, split_s3_uri
+
 # Stands for "no aws_conn_id": boto3's default chain, the worker's own credentials.
 DEFAULT_CHAIN = "<default>"
 LOOPBACK_ENDPOINTS = ("http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*")
@@ -71,6 +73,8 @@ class TrustPolicy:
 
     def check_storage(self, uri: str, param: str) -> None:
         """``uri`` (a file or a prefix) must lie under one of ``storage``."""
+        if has_control_characters(uri):
+            raise TrustViolation("allowed_storage", f"{param} {uri!r}: control characters are not accepted")
         if uri.startswith("s3://"):
             ok = any(_s3_under(uri, p) for p in self.storage if p.startswith("s3://"))
         elif "://" in uri and not uri.startswith("file://"):
@@ -231,9 +235,13 @@ def _path_under(uri: str, allowed: str) -> bool:
 
 
 def _s3_under(uri: str, allowed: str) -> bool:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    a_bucket, _, a_prefix = allowed[len("s3://"):].partition("/")
-    if not bucket or bucket != a_bucket:
+    # The same parser storage uses to address the object: what is checked is what is used.
+    try:
+        bucket, key = split_s3_uri(uri)
+        a_bucket, a_prefix = split_s3_uri(allowed)
+    except StorageError:
+        return False
+    if bucket != a_bucket:
         return False
     # A prefix matches on "/" boundaries: s3://b/team does not grant s3://b/team-other.
     a_prefix = a_prefix.strip("/")

@@ -185,3 +185,57 @@ def test_a_drop_beyond_the_copy_limit_is_read_in_place(s3, zone, monkeypatch):
 
 def _key_of(uri: str) -> str:
     return uri[len(f"s3://{TEST_BUCKET}/"):]
+
+
+CONTROL_NAMES = ["a\tb.jsonl", "a\rb.jsonl", "a\nb.jsonl", "x\x7f.jsonl", "y\x01.jsonl", "tab\t/z.jsonl"]
+
+
+def test_names_storage_cannot_address_are_never_claimed_and_block_nothing(s3, s3_server, zone, monkeypatch,
+                                                                          caplog):
+    # Issue 19, finding 4: urlparse dropped TAB/CR/LF on every access, so "a\tb.jsonl" was read
+    # as "ab.jsonl", two such drops shared one results folder, and max_files of them starved
+    # every legitimate drop. Now they are left out (with one warning each) and the others go on.
+    for name in CONTROL_NAMES:
+        put(s3, zone, name, B)
+    put(s3, zone, "ab.jsonl", A)
+    put(s3, zone, "good.jsonl", A)
+    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
+            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    monkeypatch.setenv("AIRFLOW_CONN_DZ_S3", json.dumps(conn))
+    trigger = DropZoneTrigger(zone.inbox, zone.outbox, "dz_s3", poll_interval_s=0.2, timeout_s=30,
+                              max_files=2)
+    event = _first_event(trigger)  # max_files=2 of 8 objects: the two addressable ones fit
+    assert [o["name"] for o in event["objects"]] == ["ab.jsonl", "good.jsonl"], event
+    outcomes = claim_all(s3, zone)
+    assert sorted(o.obj.name for o in outcomes) == ["ab.jsonl", "good.jsonl"]
+    assert all(o.status == "new" for o in outcomes)
+    assert get(s3, outcomes[0].claim.input_uri) == A  # "ab.jsonl" is read as itself
+    assert find_new(s3, zone) == []  # nothing left that could ever be claimed
+    warned = [r.getMessage() for r in caplog.records if "control characters" in r.getMessage()]
+    assert len(warned) == len(CONTROL_NAMES), warned  # each reported once, however often listed
+
+
+def test_s3_uris_are_checked_and_used_in_one_parsed_form(s3):
+    # Issue 19, finding 5: "s3://b/out/\t../\t../secret/x" passed the allow-list and was sent as
+    # out/../../secret/x. And "#" or "?" in a key cut it short under urlparse.
+    from aibrix_operators.storage import S3Storage, StorageError
+    from aibrix_operators.trust import TrustPolicy, TrustViolation
+
+    policy = TrustPolicy(endpoints=(), storage=(f"s3://{TEST_BUCKET}/out/",), aws_conn_ids=(),
+                         inference_conn_ids=())  # fmt: skip
+    for uri in (f"s3://{TEST_BUCKET}/out/\t../\t../secret/x", f"s3://{TEST_BUCKET}/out/\n../x",
+                f"s3://{TEST_BUCKET}/out/../secret/x", f"s3://{TEST_BUCKET}\t/out/x"):  # fmt: skip
+        with pytest.raises(TrustViolation, match="allowed_storage"):
+            policy.check_storage(uri, "output_uri")
+    storage = S3Storage(client=s3)
+    s3.put_object(Bucket=TEST_BUCKET, Key="out/secret", Body=b"secret")
+    with pytest.raises(StorageError, match="control characters"):
+        storage.read_bytes(f"s3://{TEST_BUCKET}/out/\tsecret")
+    # "#" and "?" are part of the key: the object written is the one read, not "out/a".
+    policy.check_storage(f"s3://{TEST_BUCKET}/out/a#b?c", "output_uri")
+    with storage.open_write(f"s3://{TEST_BUCKET}/out/a#b?c") as f:
+        f.write(b"hashed")
+    assert s3.get_object(Bucket=TEST_BUCKET, Key="out/a#b?c")["Body"].read() == b"hashed"
+    assert storage.read_bytes(f"s3://{TEST_BUCKET}/out/a#b?c") == b"hashed"
+    listed = s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix="out/a")["Contents"]
+    assert "out/a" not in [o["Key"] for o in listed]

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from aibrix_operators.storage import split_s3_uri
+from aibrix_operators.storage import has_control_characters, split_s3_uri
+
+log = logging.getLogger(__name__)
 
 STATE_DIR = "_dropzone"
 RUN_ID_PREFIX = "dropzone__"
@@ -158,14 +161,34 @@ def is_candidate(name: str) -> bool:
     return not any(part.startswith((".", "_")) or part == "" for part in name.split("/"))
 
 
+def unaddressable(name: str) -> str | None:
+    """Why storage cannot address this drop exactly (so it is never claimed), or ``None``."""
+    if has_control_characters(name):
+        return "its name has control characters (TAB, CR, LF, ...), which s3:// URIs do not carry"
+    return None
+
+
+_refused: set[str] = set()  # names already logged by this process: each is reported once
+
+
 def parse_listing(zone: DropZone, contents: Iterable[dict[str, Any]]) -> list[InboxObject]:
-    """Inbox objects from ``list_objects_v2`` entries (sync or async client alike)."""
+    """Inbox objects from ``list_objects_v2`` entries (sync or async client alike).
+
+    A drop whose name storage cannot address is left out with a warning (once per process), so
+    it is never claimed and never takes a place of ``max_files_per_run`` from the others.
+    """
     _, prefix = split_s3_uri(zone.inbox)
     out = []
     for entry in contents:
         name = entry["Key"][len(prefix):]
-        if entry["Key"].startswith(prefix) and is_candidate(name):
-            out.append(InboxObject(name, str(entry.get("ETag", "")).strip('"'), int(entry.get("Size", 0))))
+        if not (entry["Key"].startswith(prefix) and is_candidate(name)):
+            continue
+        if reason := unaddressable(name):
+            if name not in _refused:
+                _refused.add(name)
+                log.warning("drop zone: ignoring %r in %s: %s; rename it", name, zone.inbox, reason)
+            continue
+        out.append(InboxObject(name, str(entry.get("ETag", "")).strip('"'), int(entry.get("Size", 0))))
     return out
 
 
