@@ -320,3 +320,24 @@ async def test_a_client_leaving_mid_stream_ends_the_upstream_stream(make_router)
     await asyncio.sleep(0.3)
     assert d.chunks_sent == sent < 50  # the decode stream was closed, not drained
     assert (await router.post(COMPLETION))[0] == 200  # the router is fine afterwards
+
+
+@pytest.mark.parametrize("client_params", [
+    {"remote_host": "10.6.6.6", "remote_port": 1, "do_remote_prefill": True},  # steer the decode's pull
+    "not-an-object", 17, [1, 2], None,
+])
+async def test_the_router_owns_kv_transfer_params(make_router, client_params) -> None:
+    # Issue 19, finding 9: a client's kv_transfer_params reached prefill and decode (a non-object
+    # answered 500). The router drops them and sets its own; the request itself is served.
+    p = StubBackend("p", extra={"kv_transfer_params": {"remote_block_ids": [7]}})
+    d, d_plain = StubBackend("d"), StubBackend("d2")
+    router = await make_router([p], [d])
+    status, body = await router.post({**COMPLETION, "kv_transfer_params": client_params})
+    assert status == 200 and body["from"] == "d"
+    [(_, pre)], [(_, dec)] = p.received, d.received
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert dec == {**COMPLETION, "kv_transfer_params": {"remote_block_ids": [7]}}
+    # Without prefill (no prefill instance: decode alone), the client's params are dropped too.
+    alone = await make_router([], [d_plain])
+    assert (await alone.post({**COMPLETION, "kv_transfer_params": client_params}))[0] == 200
+    assert d_plain.received[-1][1] == COMPLETION

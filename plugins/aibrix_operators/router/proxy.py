@@ -128,7 +128,8 @@ class Proxy:
         error, prefill, params = await self._prefill(path, body, blocks)
         if error is not None:
             return error
-        data = orjson.dumps(decode_body(body, params)) if params else raw
+        # The raw bytes when nothing changes (the common case, no re-encoding on the hot path).
+        data = orjson.dumps(decode_body(body, params)) if params or "kv_transfer_params" in body else raw
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         for _ in range(self.decode_attempts):

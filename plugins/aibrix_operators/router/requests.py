@@ -10,6 +10,10 @@ shapes the prompt (``prompt``/``messages``, chat template options, ``cache_salt`
 whatever the prefill returns handed to decode), so connectors that identify transfers by
 id (NIXL and the like) work through the same router. Ours returns the chunks the prefill
 stored (``kvcache.handoff``): the decode instance waits until the shared tier holds them.
+
+The router owns ``kv_transfer_params``: a client's are dropped, never passed on. They steer
+the connectors (``remote_host``/``remote_port`` of the pulling kind), and a batch line,
+including a Batch API tenant's, is a client.
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
     else:
         out["max_tokens"] = 1
     out["stream"] = False
-    params = dict(body.get("kv_transfer_params") or {})
-    params["do_remote_decode"] = True
-    out["kv_transfer_params"] = params
+    out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
 
 
-def decode_body(body: dict[str, Any], prefill_params: dict[str, Any] | None) -> dict[str, Any]:
-    if not prefill_params:
-        return body
-    return {**body, "kv_transfer_params": prefill_params}
+def decode_body(body: dict[str, Any], prefill_params: Any) -> dict[str, Any]:
+    """The client's body for decode, with the prefill's ``kv_transfer_params`` (if it returned
+    an object) in place of anything the client sent under that name."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if isinstance(prefill_params, dict) and prefill_params:
+        out["kv_transfer_params"] = prefill_params
+    return out
