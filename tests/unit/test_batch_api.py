@@ -115,6 +115,16 @@ def test_status_mapping():
     failed.conf["input_uri"] = "/srv/root/tenants/alpha/files/file-x.jsonl"
     failed.batch_json["errors"]["data"][0]["message"] = "cannot read " + failed.conf["input_uri"]
     assert batch_object(failed)["errors"]["data"][0]["message"] == "cannot read file-x"
+    # Issue 19, finding 13: the deployment's addresses never reach a tenant; the code stays.
+    failed.batch_json["errors"]["data"][0].update(
+        code="endpoint_unavailable",
+        message="cannot reach the inference endpoint http://127.0.0.1:37011 (ClientConnectorError: "
+                "Cannot connect to host 10.0.3.7:8000 ssl:default); s3://internal-bucket/x failed")
+    [item] = batch_object(failed)["errors"]["data"]
+    assert item["code"] == "endpoint_unavailable"
+    assert item["message"] == (
+        "cannot reach the inference endpoint <internal address> (ClientConnectorError: "
+        "Cannot connect to host <internal address> ssl:default); <internal address> failed")
     live = _snap(validate=["success"], dispatch=["running"])
     live.live_counts = (10, 4, 1)
     assert batch_object(live)["request_counts"] == {"total": 10, "completed": 3, "failed": 1}

@@ -16,6 +16,7 @@ cancel marker present and not yet terminal             cancelling
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,12 +137,19 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
     }
 
 
+# Addresses of the deployment that a message may carry (a task's error names the endpoint it
+# could not reach): a URL of any scheme, or an IPv4 address with or without a port.
+_ADDRESS = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"()<>,;]+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+
+
 def _error_item(item: dict[str, Any], hide: dict[str, str]) -> dict[str, Any]:
     """Only OpenAI's BatchError fields; storage locations in messages become the API's names,
-    so a client never learns the deployment's layout."""
+    and any other address an internal one, so a client never learns the deployment's layout
+    (the task log keeps the detail; the code is the stable part)."""
     message = item.get("message")
     if isinstance(message, str):
         for uri, name in hide.items():
             message = message.replace(uri, name)
+        message = _ADDRESS.sub("<internal address>", message)
     return {"code": item.get("code"), "message": message, "param": item.get("param"),
             "line": item.get("line")}
