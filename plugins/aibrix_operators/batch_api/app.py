@@ -45,6 +45,7 @@ from aibrix_operators.batch_api.ids import (
     new_batch_id,
     output_file_id,
 )
+from aibrix_operators.batch_api.request_limits import RequestLimits
 from aibrix_operators.batch_api.settings import ApiSettings
 from aibrix_operators.batch_api.status import TERMINAL, batch_object
 from aibrix_operators.batch_api.upload import receive_upload
@@ -101,6 +102,9 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         return authenticate(authorization, context().keyring())
 
     Tenant = Annotated[str, Depends(tenant)]
+    # Runs before FastAPI reads a body: no key, no body read; every body bounded.
+    app.add_middleware(RequestLimits, keyring=lambda: context().keyring(),
+                       max_upload_bytes=lambda: context().settings.max_file_bytes + MULTIPART_OVERHEAD)
     # The id patterns are published in the schema but checked by check_*_id (400 in OpenAI's
     # error shape, not FastAPI's 422). Paths with control characters never get here: the
     # plugin's path guard answers them (batch_api/path_guard.py).

@@ -30,6 +30,10 @@ WRITE_CHUNK = 1 << 20
 # S3 part upload. 8 measured no faster here and added ~6 MB to the api-server's peak RSS.
 QUEUE_CHUNKS = 4
 MAX_FIELD_BYTES = 1024
+# A batch upload has two parts (file, purpose); the SDK may add a few. Each part costs parser
+# callbacks on the event loop, so their number and their headers are bounded too.
+MAX_PARTS = 16
+MAX_PART_HEADER_BYTES = 8 * 1024
 ACCEPTED_PURPOSES = ("batch",)
 
 
@@ -48,6 +52,8 @@ class _Parts:
         self._value = b""
         self._name: str | None = None
         self._is_file = False
+        self._parts = 0
+        self._header_bytes = 0
 
     def callbacks(self) -> dict[str, Any]:
         return {
@@ -57,13 +63,23 @@ class _Parts:
         }
 
     def _begin(self) -> None:
+        self._parts += 1
+        if self._parts > MAX_PARTS:
+            raise bad_request(f"a batch upload has at most {MAX_PARTS} form parts (file and purpose)")
         self._headers, self._field, self._value = {}, b"", b""
-        self._name, self._is_file = None, False
+        self._name, self._is_file, self._header_bytes = None, False, 0
+
+    def _header_data(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > MAX_PART_HEADER_BYTES:
+            raise bad_request(f"a form part's headers exceed {MAX_PART_HEADER_BYTES} bytes")
 
     def _hfield(self, data: bytes, start: int, end: int) -> None:
+        self._header_data(end - start)
         self._field += data[start:end]
 
     def _hvalue(self, data: bytes, start: int, end: int) -> None:
+        self._header_data(end - start)
         self._value += data[start:end]
 
     def _hend(self) -> None:
