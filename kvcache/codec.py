@@ -70,6 +70,9 @@ def checksum_bytes(data: np.ndarray) -> int:
 
 _MAC_ALGS = ("blake2b", "blake3")
 TAG_BYTES = 32
+# A record's JSON header (key, dtype, shape, checksum) is about 200 bytes; anything past this is
+# not a record of ours, and bounds what a tier read may return (max_record_bytes).
+MAX_HEADER_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,11 @@ def encode(key: str, tensor: torch.Tensor, crc: int | None = None, mac: Mac | No
     return b"".join((head, header, payload, mac.tag(head, header, payload)))
 
 
+def max_record_bytes(payload_bytes: int) -> int:
+    """The largest record of a layer chunk of ``payload_bytes``: what a tier read may return."""
+    return _HEAD.size + MAX_HEADER_BYTES + payload_bytes + TAG_BYTES
+
+
 def decode(
     record: bytes | bytearray | memoryview, expected: Expected, verify: bool = True, mac: Mac | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -187,6 +195,8 @@ def _decode(
     magic, header_len = _HEAD.unpack_from(view)
     if magic != _MAGIC:
         raise IntegrityError("bad magic")
+    if header_len > MAX_HEADER_BYTES:
+        raise IntegrityError(f"header of {header_len} bytes (at most {MAX_HEADER_BYTES})")
     if _HEAD.size + header_len > len(view):
         raise IntegrityError("truncated header")
     try:

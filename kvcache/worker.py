@@ -49,7 +49,7 @@ from kvcache.host_copy import ChunkCopier, ChunkCopy, chunk_copy, host_array, ho
 from kvcache.keys import layer_number, storage_key
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.secrets import l2_mac
-from kvcache.tiers import L1Pool, L2Store, TierUnavailable
+from kvcache.tiers import L1Pool, L2Store, RecordRefused, TierUnavailable
 from kvcache.tiers.slab import SlabPool
 from kvcache.tiers.writer import L2Writer
 from kvcache.transfer import CudaCopier, HostCopier, Move, PagedLayout, make_copier
@@ -291,16 +291,19 @@ class KVCacheWorker:
         if self.l2 is None:
             raise _LoadFailed("absent")
         key = storage_key(self.ns, self.tp_rank, item.chunk_hash, self.layer_ids[layer])
+        expected = codec.Expected(key, self.layout.dtype, self.layout.chunk_shape(self.chunk_blocks))
         try:
-            record = self.l2.get(key)
+            record = self.l2.get(key, max_bytes=codec.max_record_bytes(expected_nbytes(expected)))
         except TierUnavailable as exc:
             metrics.L2_ERRORS.labels("get").inc()
             raise _LoadFailed("unavailable") from exc
+        except RecordRefused as exc:
+            _log_once("record-refused", "kvcache: %s; counted as a miss", exc)
+            raise _LoadFailed("integrity") from exc
         if record is None:
             raise _LoadFailed("absent")
         if not isinstance(record, (bytes, bytearray, memoryview)):
             raise _LoadFailed("integrity")
-        expected = codec.Expected(key, self.layout.dtype, self.layout.chunk_shape(self.chunk_blocks))
         if step.corrupt:
             head = len(record) - expected_nbytes(expected)
             record = record[:head] + bytes(len(record) - head)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from kvcache.config import KVCacheSettings
 from kvcache.secrets import read_secret
-from kvcache.tiers.base import L2Store, TierUnavailable
+from kvcache.tiers.base import L2Store, RecordRefused, TierUnavailable
 from kvcache.tiers.fs import FilesystemStore
 from kvcache.tiers.l1 import L1Pool
 from kvcache.tiers.redis_store import RedisStore
 
-__all__ = ["FilesystemStore", "L1Pool", "L2Store", "RedisStore", "TierUnavailable", "make_l2"]
+__all__ = [
+    "FilesystemStore", "L1Pool", "L2Store", "RecordRefused", "RedisStore", "TierUnavailable", "make_l2",
+]
 
 
 def make_l2(settings: KVCacheSettings) -> L2Store | None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-from kvcache.tiers.base import TierUnavailable
+from kvcache.tiers.base import RecordRefused, TierUnavailable
 
 
 class FilesystemStore:
@@ -25,13 +27,36 @@ class FilesystemStore:
         fan = parts[3][:2] if len(parts) > 3 else "00"
         return self.root / fan / safe
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        # O_NONBLOCK: a FIFO planted at the path opens at once instead of blocking the forward
+        # pass; O_NOFOLLOW: a symlink (to /dev/zero, say) is refused; the fstat below refuses
+        # anything but a regular file, and the size bound what one read may take.
         try:
-            return self._path(key).read_bytes()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordRefused(f"{key}: a symbolic link, not a record") from exc
             raise TierUnavailable(str(exc)) from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise RecordRefused(f"{key}: not a regular file")
+            if max_bytes is not None and info.st_size > max_bytes:
+                raise RecordRefused(f"{key}: {info.st_size} bytes, over the {max_bytes} of a record")
+            limit = info.st_size if max_bytes is None else max_bytes
+            with os.fdopen(fd, "rb", closefd=True) as f:
+                fd = -1
+                data = f.read(limit + 1)
+            if len(data) > limit:  # grew after the fstat
+                raise RecordRefused(f"{key}: larger than {limit} bytes")
+            return data
+        except OSError as exc:
+            raise TierUnavailable(str(exc)) from exc
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def put(self, key: str, record: bytes) -> None:
         path = self._path(key)

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import redis
 
 from kvcache.secrets import mask_text, mask_url
-from kvcache.tiers.base import TierUnavailable
+from kvcache.tiers.base import RecordRefused, TierUnavailable
 
 # Under "vllm." so that records reach the handlers vLLM configures in its processes.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -77,13 +77,20 @@ class RedisStore:
         return self._down
 
     # -- L2Store -----------------------------------------------------------------------
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         self._check()
         try:
-            value = self._client.get(key)
+            if max_bytes is None:
+                value = self._client.get(key)
+            else:
+                # One round trip that never returns more than max_bytes + 1 bytes, however large
+                # the value someone stored (GETRANGE is "" for a missing key: no record is empty).
+                value = self._client.getrange(key, 0, max_bytes) or None
         except redis.RedisError as exc:
             raise self._failed(exc) from exc
         self._ok()
+        if value is not None and max_bytes is not None and len(value) > max_bytes:
+            raise RecordRefused(f"{key}: larger than a record of this layout ({max_bytes} bytes)")
         return value
 
     def put(self, key: str, record: bytes) -> None:

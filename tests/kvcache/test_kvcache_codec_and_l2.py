@@ -236,3 +236,61 @@ def test_mac_records(alg: str) -> None:
             continue  # claims a tag, and gets a valid one appended here: a good record
         with pytest.raises(codec.IntegrityError):
             codec.decode(bad + mac.tag(bad), _expected("k", t), mac=mac)
+
+
+def _record_bound(t: torch.Tensor) -> int:
+    return codec.max_record_bytes(t.numel() * t.element_size())
+
+
+def test_a_hostile_fs_tier_cannot_hang_or_exhaust_the_reader(tmp_path) -> None:
+    # Issue 19, finding 6: a FIFO at a record's path blocked the forward pass and a link to
+    # /dev/zero took the whole memory cap in one read. Each is now refused at once, a miss.
+    import os
+    import threading
+
+    from kvcache.tiers import RecordRefused
+
+    store = FilesystemStore(str(tmp_path))
+    t = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    bound = _record_bound(t)
+    store.put("kv:ns:r0:aa:L0", codec.encode("kv:ns:r0:aa:L0", t))
+    fifo, zero, big = (store._path(f"kv:ns:r0:{h}:L0") for h in ("ff", "dd", "bb"))
+    for path in (fifo, zero, big):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    big.write_bytes(b"\0" * (bound + 1))
+    outcome: dict[str, object] = {}
+
+    def read_all() -> None:
+        for key in ("kv:ns:r0:ff:L0", "kv:ns:r0:dd:L0", "kv:ns:r0:bb:L0"):
+            try:
+                outcome[key] = store.get(key, max_bytes=bound)
+            except RecordRefused as exc:
+                outcome[key] = exc
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "a read of the hostile tier blocked"
+    assert all(isinstance(v, RecordRefused) for v in outcome.values()), outcome
+    # The legitimate record beside them is read as before.
+    out, _ = codec.decode(store.get("kv:ns:r0:aa:L0", max_bytes=bound), _expected("kv:ns:r0:aa:L0", t))
+    assert torch.equal(out, t)
+
+
+def test_an_oversize_redis_value_is_refused_without_reading_it_whole(redis_server) -> None:
+    import redis as redis_client
+
+    from kvcache.tiers import RecordRefused
+
+    store = RedisStore(redis_server.url)
+    t = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    bound = _record_bound(t)
+    store.put("kv:ns:r0:aa:L0", codec.encode("kv:ns:r0:aa:L0", t))
+    redis_client.Redis.from_url(redis_server.url).set("kv:ns:r0:bb:L0", b"\0" * (64 << 20))  # 64 MiB
+    with pytest.raises(RecordRefused):
+        store.get("kv:ns:r0:bb:L0", max_bytes=bound)
+    assert store.get("kv:ns:r0:cc:L0", max_bytes=bound) is None  # absent stays absent
+    out, _ = codec.decode(store.get("kv:ns:r0:aa:L0", max_bytes=bound), _expected("kv:ns:r0:aa:L0", t))
+    assert torch.equal(out, t)

@@ -270,7 +270,7 @@ class _GarbageStore:
         self.records = records
         self.i = 0
 
-    def get(self, key: str) -> object:
+    def get(self, key: str, max_bytes: int | None = None) -> object:
         self.i += 1
         return self.records[self.i % len(self.records)]
 
@@ -423,3 +423,39 @@ def test_full_check_values_are_the_slots_checksums_whatever_the_threads(
         assert torch.equal(t[12], t[2]) and torch.equal(t[13], t[5]) and torch.equal(t[10], t[3])
         assert torch.equal(t[14:16], t[8:10])
     w.shutdown()
+
+
+def test_a_hostile_fs_tier_is_a_miss_and_the_step_goes_on(tmp_path) -> None:
+    """Issue 19, finding 6, through the worker: chunk c0's record replaced by a FIFO, c1's by a
+    link to /dev/zero; the step finishes at once, both are recomputed, c2 still loads."""
+    import os
+    import threading
+
+    prod, kv_p = _worker({}, FilesystemStore(str(tmp_path)))
+    _fill(kv_p, [2, 3, 4])
+    saves = [ChunkTransfer(c, [(0, b)]) for c, b in (("c0", 2), ("c1", 3), ("c2", 4))]
+    with torch.inference_mode():
+        _step(prod, KVCacheStepMetadata(saves=saves, chunk_tokens=BS))
+    assert prod.writer is not None and prod.writer.flush()
+    for path in tmp_path.rglob("*c0_L*"):
+        path.unlink()
+        os.mkfifo(path)
+    for path in tmp_path.rglob("*c1_L*"):
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    cons, kv_c = _worker({}, FilesystemStore(str(tmp_path)))
+    loads = [ChunkTransfer("c0", [(0, 10)]), ChunkTransfer("c1", [(0, 11)]), ChunkTransfer("c2", [(0, 12)])]
+    failed: list[set[int]] = []
+
+    def load() -> None:
+        with torch.inference_mode():  # as in vLLM's forward
+            failed.append(_step(cons, KVCacheStepMetadata(loads=loads, chunk_tokens=BS)))
+
+    step = threading.Thread(target=load, daemon=True)
+    step.start()
+    step.join(30)
+    assert not step.is_alive(), "the load step blocked on the hostile tier"
+    assert failed == [{10, 11}]  # recomputed by vLLM; never wrong tokens
+    assert all(torch.equal(tc[12], tp[4]) for tp, tc in zip(kv_p.values(), kv_c.values(), strict=True))
+    prod.shutdown()
+    cons.shutdown()
