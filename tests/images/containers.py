@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +53,19 @@ def last_error_line(proc: subprocess.CompletedProcess) -> str:
     """The line a crashing entrypoint ends on (``ModuleNotFoundError: ...``), for assertion messages."""
     lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     return lines[-1] if lines else f"(no output, exit {proc.returncode})"
+
+
+def answers_200(url: str) -> Callable[[], bool]:
+    """A readiness check for ``Detached.wait_until``: ``url`` answers 200."""
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=3) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return ready
 
 
 class Detached:

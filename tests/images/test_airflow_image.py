@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from aibrix_operators.serving.local_vllm import free_port
-from tests.images.containers import Detached, inspect, last_error_line, run
+from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
 EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic"}
@@ -75,14 +75,7 @@ def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):
     with Detached(airflow_image, "-c", script, flags=flags) as server:
         base = f"http://127.0.0.1:{port}"
 
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(base + "/api/v2/monitor/health", timeout=3) as resp:
-                    return resp.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
-
-        server.wait_until(healthy, 300, "api-server from the image")
+        server.wait_until(answers_200(base + "/api/v2/monitor/health"), 300, "api-server from the image")
         with urllib.request.urlopen(base + "/openai/openapi.json", timeout=10) as resp:
             schema = json.load(resp)
         assert "/v1/batches" in schema["paths"], sorted(schema["paths"])

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 from aibrix_operators.serving.local_vllm import free_port
-from tests.images.containers import Detached, inspect
+from tests.images.containers import Detached, answers_200, inspect
 
 KV_TRANSFER = {
     "kv_connector": "KVCacheConnector", "kv_connector_module_path": "kvcache.connector",
@@ -41,14 +40,7 @@ def test_the_vllm_cpu_container_serves_with_the_kvcache_connector(vllm_cpu_image
     with Detached(vllm_cpu_image, *args, flags=flags) as server:
         base = f"http://127.0.0.1:{port}"
 
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=3) as resp:
-                    return resp.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
-
-        server.wait_until(healthy, 300, "vLLM from the vllm-cpu image")
+        server.wait_until(answers_200(base + "/health"), 300, "vLLM from the vllm-cpu image")
         models = _get(base + "/v1/models")
         assert [m["id"] for m in models["data"]] == ["tiny-llama"]
         body = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
