@@ -76,18 +76,22 @@ lint: $(VENV)/.installed
 images: system-packages
 	$(PYTHON) inference_images/build.py
 
-test: setup lint images test-orchestrator test-inference
+# The environments and the images are independent (pip and model training beside podman builds
+# that mostly wait on the network): built side by side, then the suites, one after the other.
+test:
+	$(MAKE) -j2 setup images
+	$(MAKE) lint test-orchestrator test-inference
 
 # Airflow, the driver, S3 and the end-to-end DAG runs. Temporary files stay under /tmp: vLLM puts
 # its IPC sockets in TMPDIR, which some tests point at tmp_path, and a deep --basetemp (a clone in
 # a long path) overflows the 107-byte socket path limit. Don't run two suites at once: pytest
 # prunes all but the newest 3 of /tmp/pytest-of-$USER, including a running suite's fixtures.
 test-orchestrator: setup
-	$(VENV)/bin/python -m pytest -q --timeout=900 tests --ignore=tests/kvcache
+	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 tests --ignore=tests/kvcache
 
 # The KV-cache connector inside real vLLM CPU servers.
 test-inference: setup
-	$(IVENV)/bin/python -m pytest -q --timeout=900 tests/kvcache
+	$(IVENV)/bin/python -m pytest -q --timeout=900 --durations=10 tests/kvcache
 
 clean:
 	rm -rf $(WORK)/outputs $(WORK)/airflow $(WORK)/logs $(WORK)/tmp

@@ -296,7 +296,8 @@ class FakeKubelet:
                 run.container_name, image.container, command, args, env, container.get("workingDir")
             )
         else:
-            argv = [image.executables.get(command[0], command[0]), *command[1:]] if command else args
+            argv = [*command, *args]
+            argv[0] = image.executables.get(argv[0], argv[0])
             proc = subprocess.Popen(
                 argv,
                 env={**self.base_env, **image.env, **env},

@@ -64,18 +64,20 @@ def test_pod_runs_with_secret_env_and_reports_logs_and_exit_code(fake_cluster) -
     ]
     code = (
         "import os,sys; print(os.environ['LIT'], len(os.environ['TOKEN']), 'OPT' in os.environ,"
-        " 'PYTEST_CURRENT_TEST' in os.environ, os.getcwd(), flush=True); print('err', file=sys.stderr);"
+        " 'PYTEST_CURRENT_TEST' in os.environ, os.getcwd(), *sys.argv[1:], flush=True);"
+        " print('err', file=sys.stderr);"
         " sys.exit(3)"
     )
     manifest = pod("p-1", code, env)
-    manifest["spec"]["containers"][0]["workingDir"] = "/tmp"
+    manifest["spec"]["containers"][0].update(workingDir="/tmp", args=["one", "two"])
     api.create_namespaced_pod(NS, manifest)
     done = wait_phase(api, "p-1", ("Failed",), fake_cluster)
     term = done.status.container_statuses[0].state.terminated
     assert (term.exit_code, term.reason) == (3, "Error")
     # (kubernetes 36's sync client returns str(bytes) for text bodies unless the raw response is read)
     logs = api.read_namespaced_pod_log("p-1", NS, container="base", _preload_content=False).data.decode()
-    assert logs.splitlines() == ["plain 12 False False /tmp", "err"]  # nothing leaks from the test process
+    # nothing leaks from the test process; args reach the program after the command
+    assert logs.splitlines() == ["plain 12 False False /tmp one two", "err"]
     tail = api.read_namespaced_pod_log("p-1", NS, tail_lines=1, _preload_content=False).data.decode()
     assert tail == "err\n"
     reasons = [
