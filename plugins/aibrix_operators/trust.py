@@ -119,6 +119,7 @@ class TrustPolicy:
         """Everything a batch trigger names, output first (it decides where a refusal is recorded)."""
         if output_uri is not None:
             self.check_storage(output_uri, "output_uri")
+            _refuse_links_in_output(output_uri)
         self.check_aws_conn(aws_conn_id)
         if input_uri is not None:
             self.check_storage(input_uri, "input_uri")
@@ -222,6 +223,24 @@ def _endpoint_matches(pattern: str, scheme: str, host: str, port: int, path: str
         return False
     prefix = p_path.rstrip("/")
     return not prefix or path == prefix or path.startswith(prefix + "/")
+
+
+def _refuse_links_in_output(uri: str) -> None:
+    """A local output tree holds no symbolic links: the root is resolved by the check, but the
+    pipeline writes below it (``_work/``, ``shards/``, ``CANCEL``), and a link there would carry
+    those writes out of the allowed directories."""
+    if uri.startswith("s3://") or ("://" in uri and not uri.startswith("file://")):
+        return
+    root = uri[len("file://"):] if uri.startswith("file://") else uri
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                raise TrustViolation(
+                    "allowed_storage",
+                    f"output_uri {uri!r} holds a symbolic link ({path}); writes below the output "
+                    "location never follow links: remove it or choose another output_uri",
+                )
 
 
 def _path_under(uri: str, allowed: str) -> bool:

@@ -143,3 +143,22 @@ def test_the_api_key_goes_only_to_its_own_origin(monkeypatch):
     monkeypatch.setenv("MY_KEY_ORIGIN", "http://h:1")
     assert DriverConfig("http://h:1", api_key_env="MY_KEY").headers()["Authorization"] == "Bearer sk-env"
     assert "Authorization" not in DriverConfig("http://elsewhere:1", api_key_env="MY_KEY").headers()
+
+
+def test_a_link_inside_an_output_tree_is_refused(policy, tmp_path):
+    # Issue 19, finding 12: with out/_work linked outside the allowed roots, the cancel marker and
+    # the shards landed outside. The root was resolved; what lies below it now is checked too.
+    allowed = tmp_path / "allowed"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (allowed / "out").mkdir()
+    policy.check_trigger(output_uri=str(allowed / "out"), aws_conn_id="batch_s3")  # no link: fine
+    (allowed / "out" / "_work").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(TrustViolation, match="symbolic link"):
+        policy.check_trigger(output_uri=str(allowed / "out"), aws_conn_id="batch_s3")
+    (allowed / "out" / "_work").unlink()
+    (allowed / "out" / "shards").mkdir()
+    (allowed / "out" / "shards" / "CANCEL").symlink_to(outside / "x")  # a dangling file link too
+    with pytest.raises(TrustViolation, match="symbolic link"):
+        policy.check_trigger(output_uri=f"file://{allowed / 'out'}", aws_conn_id="batch_s3")
+    policy.check_trigger(output_uri=str(allowed / "fresh"), aws_conn_id="batch_s3")  # not there yet
