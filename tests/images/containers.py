@@ -16,12 +16,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.k8s_double.podman import PODMAN
+from tests.k8s_double.podman import PODMAN, RUN_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "inference_images" / "build.py"
-RUN_FLAGS = ["--rm", "--pull", "never", "--network", "host",
-             "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000"]  # fmt: skip
 
 
 def build(name: str) -> dict:

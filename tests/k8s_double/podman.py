@@ -60,10 +60,6 @@ def remove(name: str) -> None:
     subprocess.run([*PODMAN, "rm", "--force", "--ignore", name], capture_output=True)
 
 
-def image_exists(image: str) -> bool:
-    return subprocess.run([*PODMAN, "image", "exists", image], capture_output=True).returncode == 0
-
-
 def _remove_when_done(proc: subprocess.Popen, env_dir: Path) -> None:
     proc.wait()
     for path in env_dir.iterdir():
