@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from kubernetes import client, config
 
 from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests, dags_test, read_jsonl
+from tests.integration.gate_proxy import GateProxy
 from tests.k8s_double import FakeCluster, Image
 from tests.k8s_double.fixtures import driver_container_image
 
@@ -150,12 +152,15 @@ def test_pod_killed_or_deleted_mid_shard_is_retried_and_resumes(
         listing = s3.list_objects_v2(Bucket=bucket, Prefix="k8s/kill/out/_work/").get("Contents", [])
         return sum(f"/results/shard-{shard:05d}/" in o["Key"] and "/seg-" in o["Key"] for o in listing)
 
-    def chaos() -> None:
+    def chaos(gate: GateProxy) -> None:
         # Shard 0's first pod is killed (exit 137), shard 1's first pod is deleted through the
-        # API, each once it has checkpointed some answers and while it is still sending.
-        # `dags test` may run either shard first (a clean-clone run of e029e9f ran shard 1 first), so
-        # both are watched at once.
+        # API, each once it has checkpointed some answers and while it is still sending. A tiny
+        # model can answer a whole shard within one checkpoint interval (a clean-clone run of
+        # 9385862 lost that race), so the gate lets a new pod send five requests and holds the
+        # next: the pod is then provably mid-shard. `dags test` may run either shard first (a
+        # clean-clone run of e029e9f ran shard 1 first), so both are watched at once.
         actions = {0: "kill", 1: "delete"}
+        armed: dict[str, float] = {}  # pod name -> when the gate was last armed for it
         while not stop.is_set() and len(done) < len(actions):
             for shard, action in actions.items():
                 if str(shard) in done:
@@ -165,23 +170,36 @@ def test_pod_killed_or_deleted_mid_shard_is_retried_and_resumes(
                     for r in cluster.kubelet.running(NS)
                     if r.labels.get("aibrix.ai/shard-index") == str(shard)
                 ]
-                if pods and segments(shard) >= 1:
+                if not pods:
+                    continue
+                pod = pods[0]
+                if pod.name not in armed:
+                    armed[pod.name] = time.monotonic()
+                    gate.hold_after(5)
+                elif gate.held and segments(shard) >= 1:
                     if action == "kill":
-                        cluster.kubelet.kill(NS, pods[0].name)
+                        cluster.kubelet.kill(NS, pod.name)
                     else:
-                        api.delete_namespaced_pod(pods[0].name, NS)
-                    done[str(shard)] = pods[0].name
+                        api.delete_namespaced_pod(pod.name, NS)
+                    done[str(shard)] = pod.name
+                    gate.release()
+                elif gate.held and time.monotonic() - armed[pod.name] > 5:
+                    # The other shard's pod took the five: let five more through.
+                    armed[pod.name] = time.monotonic()
+                    gate.hold_after(5)
             stop.wait(0.1)
 
-    watcher = threading.Thread(target=chaos, daemon=True)
-    watcher.start()
-    try:
-        proc = dags_test(
-            k8s_env, conf(bucket, "kill", vllm_chat.base_url, requests_per_shard=20, concurrency=1), tmp_path
-        )
-    finally:
-        stop.set()
-        watcher.join(5)
+    with GateProxy(vllm_chat.base_url) as gate:
+        watcher = threading.Thread(target=chaos, args=(gate,), daemon=True)
+        watcher.start()
+        try:
+            proc = dags_test(
+                k8s_env, conf(bucket, "kill", gate.base_url, requests_per_shard=20, concurrency=1),
+                tmp_path,
+            )  # fmt: skip
+        finally:
+            stop.set()
+            watcher.join(5)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert set(done) == {"0", "1"}, f"the chaos thread did not hit both shards: {done}"
 

@@ -53,6 +53,10 @@ def kill(name: str, sig: int) -> bool:
     proc = subprocess.run(
         [*PODMAN, "kill", "--signal", signal.Signals(sig).name, name], capture_output=True, text=True
     )
+    if proc.returncode != 0:
+        # Not fatal (the kubelet retries on its next sync), but a test that counts on the signal
+        # needs to know why it did not land.
+        print(f"fake kubelet: podman kill {name} failed: {proc.stderr.strip()}", flush=True)
     return proc.returncode == 0
 
 

@@ -27,6 +27,7 @@ def build_app(
     *,
     health_interval_s: float = 1.0,
     request_timeout_s: float = 600.0,
+    body_timeout_s: float = 30.0,
     dns: dict[str, str] | None = None,
     prefix_affinity: bool = True,
     affinity_entries: int = DEFAULT_ENTRIES,
@@ -47,7 +48,8 @@ def build_app(
             auto_decompress=False,
         )  # fmt: skip
         app[SESSION] = session
-        app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s, affinity=affinity)
+        app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s,
+                             body_timeout_s=body_timeout_s, affinity=affinity)  # fmt: skip
         checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns)
         app[CHECKER] = checker
         await checker.refresh()  # serve with a known pool from the first request

@@ -63,6 +63,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds one upstream call may take",
     )
     p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=float(env("ROUTER_IDLE_TIMEOUT_S", "30")),
+        help="seconds a client connection may go without a complete request before it is closed: "
+        "idle keep-alive connections and half-sent headers alike (default: %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=float(env("ROUTER_BODY_TIMEOUT_S", "30")),
+        help="seconds a request body may take to arrive; slower is answered 408 and the connection "
+        "closed (default: %(default)s)",
+    )
+    p.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=float(env("ROUTER_SHUTDOWN_TIMEOUT_S", "20")),
@@ -91,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
+    if args.idle_timeout_s <= 0 or args.body_timeout_s <= 0:
+        p.error("--idle-timeout-s and --body-timeout-s must be > 0")
     if args.affinity_slack < 0 or args.affinity_entries < 1:
         p.error("--affinity-slack must be >= 0 and --affinity-entries >= 1")
     if not (args.decode or args.decode_dns):
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     dns = {role: t for role, t in ((PREFILL, args.prefill_dns), (DECODE, args.decode_dns)) if t}
     app = build_app(backends, health_interval_s=args.health_interval_s,
-                    request_timeout_s=args.request_timeout_s, dns=dns,
+                    request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s, dns=dns,
                     prefix_affinity=args.prefix_affinity == "on", affinity_entries=args.affinity_entries,
                     affinity_slack=args.affinity_slack)  # fmt: skip
     try:
@@ -118,8 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # the image installs uvloop; a bare checkout may lack it
         loop_factory = None
     # print() so a parent process can read the bound port (--port 0) from stdout.
+    # aiohttp's keep-alive timer runs from the moment a connection opens and after every
+    # answer, and closes the connection if no whole request has arrived by then: one bound for
+    # idle connections and for headers sent a byte at a time (slowloris).
     web.run_app(
         app, host=args.host, port=args.port, access_log=None, print=lambda s: print(s, flush=True),
+        keepalive_timeout=args.idle_timeout_s,
+        # After an answer to a request whose body is unread (the 408 of a slow body), aiohttp
+        # reads and drops the rest for this long before closing, so the client gets the answer
+        # rather than a reset; 2 s, not aiohttp's 10, keeps the slow client's hold short.
+        lingering_time=2.0,
         handle_signals=True, shutdown_timeout=args.shutdown_timeout_s,
         loop=loop_factory() if loop_factory else None,
     )  # fmt: skip

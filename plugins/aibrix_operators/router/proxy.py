@@ -46,6 +46,7 @@ class Proxy:
         metrics: RouterMetrics,
         *,
         request_timeout_s: float = 600.0,
+        body_timeout_s: float = 30.0,
         decode_attempts: int = 3,
         affinity: PrefixAffinity | None = None,
     ) -> None:
@@ -54,6 +55,7 @@ class Proxy:
         self.session = session
         self.metrics = metrics
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.body_timeout_s = body_timeout_s
         self.decode_attempts = decode_attempts
 
     def _down(self, backend: Backend, reason: str) -> None:
@@ -113,7 +115,19 @@ class Proxy:
         return None, None, None
 
     async def handle(self, request: web.Request, path: str) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            # A body sent byte by byte would otherwise hold the connection for as long as the
+            # sender likes (issue 19, finding 10); headers are bounded by the idle timeout.
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            error = openai_error(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s; send it "
+                "whole, or raise the router's --body-timeout-s", "request_timeout",
+                "invalid_request_error",
+            )  # fmt: skip
+            error.force_close()  # then closed after aiohttp's short linger (router/cli.py)
+            return error
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
