@@ -7,11 +7,11 @@ Wiring and parameters only; the logic lives in ``aibrix_operators``.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 from airflow.sdk import DAG, Param
 
+from aibrix_operators.airflow_recovery import dispatch_retry_policy
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
@@ -90,6 +90,12 @@ PARAMS = {
         "502/503 storm) before the task fails and Airflow retries it; requests are never failed for it.",
     ),
     "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
+    "cache_salt": Param(
+        None, type=["null", "string"], maxLength=128,
+        description="vLLM cache_salt added to every chat/completions request (a line's own is kept "
+        "under it): requests share cached prompt prefixes only with the same salt. The Batch API "
+        "sets an unguessable one per tenant; empty: the lines' own.",
+    ),
     "completion_window": Param(
         "24h", type="string", pattern="^[0-9]+[hms]$",
         description="Deadline from submission; requests not started by then end as batch_expired.",
@@ -162,6 +168,7 @@ with DAG(
         concurrency="{{ params.concurrency }}",
         max_attempts="{{ params.max_attempts }}",
         request_timeout_s="{{ params.request_timeout_s }}",
+        cache_salt="{{ params.cache_salt }}",
         endpoint_wait_s="{{ params.endpoint_wait_s }}",
         outage_budget_s="{{ params.outage_budget_s }}",
         execution_mode="{{ params.execution_mode }}",
@@ -171,8 +178,8 @@ with DAG(
         # Bounds concurrent dispatch tasks, and so driver pods (create it with --include-deferred:
         # a deferred task waiting on its pod must keep its slot). default_pool unless configured.
         pool=dispatch_pool(),
-        retries=2,
-        retry_delay=timedelta(seconds=5),
+        # Retries resume from checkpoints; sized for node losses (airflow_recovery.py).
+        **dispatch_retry_policy(),
     ).expand(shard=split.output)
     merge = MergeBatchOperator(
         task_id="merge",

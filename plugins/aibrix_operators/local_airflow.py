@@ -8,6 +8,8 @@ deployment runs the same components from its own manifests.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,10 +79,47 @@ class AirflowDeployment:
         for proc in reversed(self.procs):
             stop_process_group(proc)
 
+    def lose(self, component: str) -> list[int]:
+        """SIGKILL ``component`` and every process below it, as a lost node would lose them
+        (a LocalExecutor's task processes are the scheduler's descendants); their pids."""
+        import psutil
+
+        proc = self.procs[COMPONENTS.index(component)]
+        victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        return victims
+
+    def restart(self, component: str) -> None:
+        """Start ``component`` again (what compose's restart policy or a Deployment does)."""
+        i = COMPONENTS.index(component)
+        stop_process_group(self.procs[i])
+        self.procs[i] = _start_component(self.env, self.home, component, self.api_url)
+
 
 def airflow_cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "airflow"), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def _start_component(env: dict[str, str], home: Path, component: str, api_url: str) -> subprocess.Popen:
+    args = [component]
+    if component == "api-server":
+        args += ["--port", api_url.rsplit(":", 1)[1], "--host", "127.0.0.1"]
+    logs = home / "component-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # Appended: a restarted component's log follows its predecessor's. The child keeps its own
+    # descriptor of the log; ours closes with the block.
+    with open(logs / f"{component}.log", "ab") as log:
+        return subprocess.Popen([str(BIN / "airflow"), *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_airflow(env: dict[str, str], home: Path) -> AirflowDeployment:
@@ -93,17 +132,10 @@ def start_airflow(env: dict[str, str], home: Path) -> AirflowDeployment:
     assert migrated.returncode == 0, migrated.stderr[-3000:]
     procs: list[subprocess.Popen] = []
     logs = home / "component-logs"
-    logs.mkdir(parents=True, exist_ok=True)
     deployment = AirflowDeployment(env, f"http://127.0.0.1:{port}", procs, home)
     try:
-        for component in (["api-server", "--port", str(port), "--host", "127.0.0.1"],
-                          ["scheduler"], ["dag-processor"], ["triggerer"]):
-            # The child keeps its own descriptor of the log; ours closes with the block.
-            with open(logs / f"{component[0]}.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    [str(BIN / "airflow"), *component], env=env, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                ))
+        for component in COMPONENTS:
+            procs.append(_start_component(env, home, component, deployment.api_url))
 
         def api_up() -> bool:
             with urllib.request.urlopen(deployment.api_url + "/api/v2/monitor/health", timeout=5) as r:

@@ -12,6 +12,8 @@ import re
 import shlex
 from pathlib import Path
 
+from aibrix_operators.airflow_recovery import RECOVERY_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / ".work"
 
@@ -31,6 +33,7 @@ def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"),
         "PYTHONUNBUFFERED": "1",
+        **RECOVERY_ENV,  # as the Airflow image sets them
     }
 
 

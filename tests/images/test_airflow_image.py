@@ -11,11 +11,13 @@ import urllib.request
 
 import pytest
 
+from aibrix_operators.airflow_recovery import RECOVERY_ENV
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
 EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic"}
+RECOVERY_KEYS = [k.removeprefix("AIRFLOW__SCHEDULER__").lower() for k in RECOVERY_ENV]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,9 @@ def inside(airflow_image):
         " echo '@@errors'; airflow dags list-import-errors -o json;"
         " echo '@@dags'; airflow dags list -o json;"
         " echo '@@plugins'; airflow plugins -o json;"
-        " echo '@@package'; python -c 'import aibrix_operators, kvcache; print(aibrix_operators.__file__)'"
+        " echo '@@package'; python -c 'import aibrix_operators, kvcache; print(aibrix_operators.__file__)';"
+        " echo '@@recovery'; for key in " + " ".join(RECOVERY_KEYS) + "; do"
+        " printf '%s=' $key; airflow config get-value scheduler $key 2>/dev/null | tail -1; done"
     )
     proc = run(airflow_image, "-c", script, flags=BASH, timeout=600)
     assert proc.returncode == 0, (
@@ -66,6 +70,12 @@ def test_the_plugin_and_the_installed_package_are_loaded(inside, airflow_image):
     assert "aibrix_batch_api" in plugins, inside["plugins"]
     assert re.search(r"/(site|dist)-packages/aibrix_operators/", inside["package"]), inside["package"]
     assert inspect(airflow_image, "{{.Config.User}}") in ("airflow", "50000")
+
+
+def test_the_image_notices_a_lost_scheduler_within_a_minute(inside):
+    # The values Airflow itself reads in the image, against the ones the tests run with.
+    found = dict(line.split("=", 1) for line in inside["recovery"].splitlines() if "=" in line)
+    assert found == {k: RECOVERY_ENV[f"AIRFLOW__SCHEDULER__{k.upper()}"] for k in RECOVERY_KEYS}
 
 
 def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):

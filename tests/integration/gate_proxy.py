@@ -9,11 +9,21 @@ the rest until ``release()``; GETs (the driver's probes) always pass.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A sender killed mid-request (what the chaos tests do) resets its connection.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class GateProxy:
@@ -22,6 +32,7 @@ class GateProxy:
         self._cond = threading.Condition()
         self._forwarded = 0
         self._hold_at: int | None = None  # forwarded count at which requests start to wait
+        self._generation = 0  # bumped by drop_held: requests held before it are not forwarded
         self.held = 0  # requests waiting now
         gate = self
 
@@ -36,8 +47,10 @@ class GateProxy:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                gate._admit()
-                self._forward(body)
+                if gate._admit():
+                    self._forward(body)
+                else:
+                    self._answer(503, "application/json", b'{"error": "dropped by the test gate"}')
 
             def _forward(self, body: bytes | None) -> None:
                 request = urllib.request.Request(
@@ -49,6 +62,9 @@ class GateProxy:
                         status, ctype, payload = r.status, r.headers.get("Content-Type"), r.read()
                 except urllib.error.HTTPError as exc:
                     status, ctype, payload = exc.code, exc.headers.get("Content-Type"), exc.read()
+                self._answer(status, ctype, payload)
+
+            def _answer(self, status: int, ctype: str | None, payload: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype or "application/json")
                 self.send_header("Content-Length", str(len(payload)))
@@ -58,8 +74,7 @@ class GateProxy:
                 except (BrokenPipeError, ConnectionResetError):  # the caller was killed meanwhile
                     pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -75,14 +90,33 @@ class GateProxy:
     def _open(self) -> bool:
         return self._hold_at is None or self._forwarded < self._hold_at
 
-    def _admit(self) -> None:
+    @property
+    def forwarded(self) -> int:
+        with self._cond:
+            return self._forwarded
+
+    def _admit(self) -> bool:
+        """Wait while holding; False if the request was dropped meanwhile (drop_held)."""
         with self._cond:
             if not self._open():
+                generation = self._generation
                 self.held += 1
                 self._cond.notify_all()
-                self._cond.wait_for(self._open)  # one at a time: each admission counts
+                # One at a time: each admission counts towards the next hold.
+                self._cond.wait_for(lambda: self._open() or self._generation != generation)
                 self.held -= 1
+                self._cond.notify_all()
+                if self._generation != generation:
+                    return False
             self._forwarded += 1
+            return True
+
+    def drop_held(self) -> None:
+        """Answer every request held now 503 without forwarding it (its sender is gone)."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self.held == 0, timeout=10)
 
     def hold_after(self, n: int) -> None:
         """Let ``n`` more POSTs through from now, then hold every further one."""

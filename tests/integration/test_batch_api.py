@@ -22,10 +22,12 @@ import openai
 import pytest
 
 from aibrix_operators.batch_api.auth import key_digest
+from aibrix_operators.batch_api.tenant_salt import tenant_cache_salt
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl
 
 MAX_UPLOAD = 2 * 1024 * 1024
+SALT_KEY = "salt-key-" + secrets.token_hex(16)
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -54,6 +56,9 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
         "AIRFLOW__AIBRIX_BATCH__API_MODELS": f"{SERVED_NAME}={vllm_chat.base_url}",
         "AIRFLOW__AIBRIX_BATCH__API_MAX_FILE_BYTES": str(MAX_UPLOAD),
         "AIRFLOW__AIBRIX_BATCH__API_DAG_CONF": json.dumps({"requests_per_shard": 200}),
+        # The per-tenant cache_salt key (batch_api/tenant_salt.py), shared by the api-server's
+        # workers as a deployment's would be.
+        "AIRFLOW_VAR_AIBRIX_BATCH_CACHE_SALT_KEY": SALT_KEY,
     }
     deployment = start_airflow(env, home)
     try:
@@ -131,6 +136,35 @@ def test_sdk_flow_end_to_end(api):
     assert client.files.delete(file_id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(file_id)
+
+
+def test_tenants_share_no_prefix_cache(api):
+    """Issue 19: tenants shared vLLM's prefix cache, so one could time another's prompts. Each
+    tenant's requests now carry its own cache_salt: the same prompt is a hit within a tenant
+    and never across tenants, even when a line names the other tenant's salt itself."""
+    prompt = " ".join(secrets.token_hex(4) for _ in range(150))  # some 600 tokens, new to vLLM
+
+    def cached_tokens(tenant: str, line_salt: str | None = None) -> int:
+        body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0,
+                "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+        if line_salt is not None:
+            body["cache_salt"] = line_salt
+        client = api.client(tenant)
+        line = {"custom_id": "probe", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        batch = client.batches.create(input_file_id=upload(client, [line]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+        done = wait_for(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 1, done
+        [out] = content(client, done.output_file_id)
+        usage = out["response"]["body"]["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    assert cached_tokens("alpha") == 0
+    assert cached_tokens("beta") == 0  # alpha's blocks are cached, under alpha's salt
+    # Naming alpha's salt in a line does not join alpha's cache: it is kept under beta's.
+    assert cached_tokens("beta", line_salt=tenant_cache_salt(SALT_KEY.encode(), "alpha")) == 0
+    assert cached_tokens("alpha") > 0  # the owner's next batch hits
+    assert cached_tokens("beta") > 0  # and beta's own
 
 
 def test_list_pagination_newest_first(api):

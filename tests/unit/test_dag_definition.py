@@ -65,3 +65,13 @@ def test_every_templated_argument_is_a_template_field(dag) -> None:
         for name, value in vars(task).items():
             if isinstance(value, str) and "{{" in value:
                 assert name in fields, f"{task.task_id}.{name} is templated but not a template field"
+
+
+def test_dispatch_retries_outlast_node_losses_and_the_salt_reaches_dispatch(dag) -> None:
+    from aibrix_operators.airflow_recovery import DEFAULT_DISPATCH_RETRIES
+
+    dispatch = dag.task_dict["dispatch"]
+    # Issue 19, finding 17: two retries were spent by two lost scheduler nodes.
+    assert os.environ.get("AIRFLOW__AIBRIX_BATCH__DISPATCH_RETRIES") is None
+    assert dispatch.retries == DEFAULT_DISPATCH_RETRIES == 6
+    assert dispatch.partial_kwargs["cache_salt"] == "{{ params.cache_salt }}"

@@ -48,6 +48,7 @@ from aibrix_operators.batch_api.ids import (
 from aibrix_operators.batch_api.request_limits import RequestLimits
 from aibrix_operators.batch_api.settings import ApiSettings
 from aibrix_operators.batch_api.status import TERMINAL, batch_object
+from aibrix_operators.batch_api.tenant_salt import tenant_cache_salt
 from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
@@ -65,6 +66,8 @@ class ApiContext:
     settings: ApiSettings
     storage: Storage
     load_keyring: Callable[[], dict[str, str]]
+    # HMAC key of the per-tenant vLLM cache_salt (batch_api/tenant_salt.py); None: no salt.
+    cache_salt_key: bytes | None = None
 
     def __post_init__(self) -> None:
         self.files = FileStore(self.storage, self.settings.storage_root)
@@ -75,6 +78,9 @@ class ApiContext:
         # Output files this process registered or found registered: a finished batch's page
         # view costs no storage round trip for them after the first.
         self.registered: set[tuple[str, str]] = set()
+
+    def cache_salt(self, tenant: str) -> str | None:
+        return None if self.cache_salt_key is None else tenant_cache_salt(self.cache_salt_key, tenant)
 
     def keyring(self) -> dict[str, str]:
         # Cached briefly: a key added or revoked takes effect within KEYRING_TTL_S.
@@ -207,7 +213,8 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         digest = request_digest(body.model_dump())
         batch_id = new_batch_id(tenant, idempotency_key)
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
-                        body.completion_window, metadata, model, route, int(time.time()), digest)
+                        body.completion_window, metadata, model, route, int(time.time()), digest,
+                        ctx.cache_salt(tenant))
         row, created = ctx.runs.trigger(run_id_for(tenant, batch_id), conf)
         if not created and row.conf.get("openai_batch", {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",

@@ -101,7 +101,7 @@ def request_digest(body: dict[str, Any]) -> str:
 def dag_conf(
     settings: ApiSettings, tenant: str, batch_id: str, input_file_id: str, input_uri: str,
     endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
-    created_at: int, digest: str,
+    created_at: int, digest: str, cache_salt: str | None = None,
 ) -> dict[str, Any]:
     conf: dict[str, Any] = {
         **settings.dag_conf,
@@ -113,6 +113,7 @@ def dag_conf(
         "metadata": metadata,
         "aws_conn_id": settings.aws_conn_id,
         **route.dag_params(),
+        "cache_salt": cache_salt,
         API_CONF_KEY: {"input_file_id": input_file_id, "created_at": created_at, "digest": digest},
     }
     return conf

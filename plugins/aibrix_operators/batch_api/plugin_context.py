@@ -11,6 +11,8 @@ from typing import Any
 from aibrix_operators.batch_api.app import ApiContext
 from aibrix_operators.batch_api.auth import VARIABLE, parse_keyring
 from aibrix_operators.batch_api.settings import load_settings
+from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_VARIABLE
+from aibrix_operators.batch_api.tenant_salt import load_cache_salt_key
 from aibrix_operators.localenv import WORK_DIR
 from aibrix_operators.storage import is_s3, storage_for
 
@@ -29,7 +31,8 @@ def build_context() -> ApiContext:
         client = S3Hook(aws_conn_id=settings.aws_conn_id).get_conn()
     if not is_s3(settings.storage_root):
         os.makedirs(settings.storage_root, exist_ok=True)
-    context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring)
+    salt_key = load_cache_salt_key(conf.get(SECTION, "api_cache_salt", fallback=None), _salt_variable)
+    context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring, salt_key)
     if conf.getboolean(SECTION, "api_gc_tuning", fallback=True):
         tune_gc()
     return context
@@ -59,6 +62,12 @@ def tune_gc() -> None:
     gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
     log.info("Batch API: %d startup objects frozen out of the cyclic GC; thresholds %s",
              gc.get_freeze_count(), gc.get_threshold())
+
+
+def _salt_variable() -> str | None:
+    from airflow.models.variable import Variable
+
+    return Variable.get(SALT_VARIABLE, default_var=None)
 
 
 def load_keyring() -> dict[str, str]:

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "environment variable)")
 
     send = p.add_argument_group("sending")
+    send.add_argument("--cache-salt", default=None, metavar="SALT",
+                      help="vLLM cache_salt for every chat/completions request; a line's own is "
+                           "kept under it (SALT:own). Requests share cached prefixes only with "
+                           "the same salt (the Batch API sets one per tenant)")
     send.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                       help="requests in flight (default: %(default)s)")
     send.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -164,7 +168,7 @@ def config_from(args: argparse.Namespace) -> DriverConfig:
         breaker_failures=args.breaker_failures,
         probe_interval_s=args.probe_interval, outage_budget_s=args.outage_budget,
         checkpoint_retry_s=args.checkpoint_retry, max_unflushed=args.max_unflushed,
-        cancel_uri=args.cancel_uri,
+        cancel_uri=args.cancel_uri, cache_salt=args.cache_salt or None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.trust import endpoint_form_problem, under_base
 
 
@@ -49,6 +50,9 @@ class DriverConfig:
     # Cancel (driver/cancel.py): when an object exists at cancel_uri, no new request or attempt
     # starts; unanswered requests end as batch_cancelled. Polled every cancel_poll_s.
     cancel_uri: str | None = None
+    # vLLM cache_salt put on every generation request (driver/cache_salt.py): the Batch API
+    # sets one per tenant. None: the lines' own, if any.
+    cache_salt: str | None = None
     cancel_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -63,6 +67,7 @@ class DriverConfig:
                      "request_timeout_s", "connect_timeout_s", "cancel_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_cache_salt(self.cache_salt)
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(
                 f"endpoint {self.endpoint!r} must be an http(s):// base URL of an "

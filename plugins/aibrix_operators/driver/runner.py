@@ -30,6 +30,7 @@ from aibrix_operators.batch.records import (
     error_record,
     success_record,
 )
+from aibrix_operators.driver.cache_salt import salted_body
 from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
 from aibrix_operators.driver.config import DriverConfig
@@ -351,7 +352,7 @@ class _Sender:
         """The request's result line: a success, or an error that belongs to the request."""
         custom_id = record["custom_id"]
         url = self.base_url + record["url"]
-        payload = dumps(record["body"])
+        payload = dumps(salted_body(record["body"], self.config.cache_salt, record["url"]))
         cfg, health = self.config, self.health
         charged = 0  # failed attempts charged to this request
         attempts = 0

@@ -124,6 +124,7 @@ class DriverPodRequest:
     namespace: str | None = None  # None: the settings' default
     service_account: str | None = None
     cancel_uri: str | None = None  # the run's cancel marker (driver/cancel.py), watched by the pod
+    cache_salt: str | None = None  # vLLM cache_salt on every request (driver/cache_salt.py)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,8 @@ def build_driver_pod(
         args += ["--model", req.model]
     if req.cancel_uri:
         args += ["--cancel-uri", req.cancel_uri]
+    if req.cache_salt:
+        args += ["--cache-salt", req.cache_salt]
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # progress lines as they happen
     if settings.s3_secret:
         env += [_secret_env(name, settings.s3_secret, name, optional) for name, optional in S3_SECRET_KEYS]

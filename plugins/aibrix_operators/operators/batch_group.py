@@ -9,11 +9,11 @@ batch's tasks, logs and retries in the eval run itself. Task ids are prefixed wi
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 from airflow.sdk import TaskGroup
 
+from aibrix_operators.airflow_recovery import dispatch_retry_policy
 from aibrix_operators.hooks.driver_pods import dispatch_pool
 from aibrix_operators.operators.batch import (
     MergeBatchOperator,
@@ -38,6 +38,7 @@ def batch_inference_group(
     bytes_per_shard: Any = 64 * 1024 * 1024, concurrency: Any = 64, max_attempts: Any = 5,
     request_timeout_s: Any = 600, endpoint_wait_s: Any = 300, outage_budget_s: Any = 900,
     completion_window: Any = "24h", execution_mode: Any = "local", metadata: Any = None,
+    cache_salt: Any = None,
 ) -> BatchGroup:
     """Build the group in the current DAG context; arguments may be templates or XComArgs."""
     with TaskGroup(group_id=group_id) as group:
@@ -55,9 +56,9 @@ def batch_inference_group(
             task_id="dispatch", validated=validate.output, endpoint=endpoint,
             inference_conn_id=inference_conn_id, concurrency=concurrency, max_attempts=max_attempts,
             request_timeout_s=request_timeout_s, endpoint_wait_s=endpoint_wait_s,
-            outage_budget_s=outage_budget_s, execution_mode=execution_mode,
+            outage_budget_s=outage_budget_s, execution_mode=execution_mode, cache_salt=cache_salt,
             kubernetes_namespace="", kubernetes_service_account="", aws_conn_id=aws_conn_id,
-            pool=dispatch_pool(), retries=2, retry_delay=timedelta(seconds=5),
+            pool=dispatch_pool(), **dispatch_retry_policy(),
         ).expand(shard=split.output)
         merge = MergeBatchOperator(task_id="merge", validated=validate.output, shards=split.output,
                                    outcomes=dispatch.output, aws_conn_id=aws_conn_id)

@@ -20,6 +20,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, run_shard_of_batch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.driver.results import results_prefix
@@ -120,7 +121,7 @@ class DispatchShardOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
         "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id", "outage_budget_s",
-        "kubernetes_namespace", "kubernetes_service_account",
+        "kubernetes_namespace", "kubernetes_service_account", "cache_salt",
     )
 
     def __init__(
@@ -139,6 +140,7 @@ class DispatchShardOperator(BaseOperator):
         aws_conn_id: str | None = None,
         kubernetes_namespace: str | None = None,
         kubernetes_service_account: str | None = None,
+        cache_salt: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -155,6 +157,7 @@ class DispatchShardOperator(BaseOperator):
         self.aws_conn_id = aws_conn_id
         self.kubernetes_namespace = kubernetes_namespace
         self.kubernetes_service_account = kubernetes_service_account
+        self.cache_salt = cache_salt
 
     @records_step_error("dispatch")
     def execute(self, context: Context) -> dict[str, Any]:
@@ -173,6 +176,7 @@ class DispatchShardOperator(BaseOperator):
                 max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
                 deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
                 api_key_origin=target.api_key_origin, outage_budget_s=float(self.outage_budget_s),
+                cache_salt=self.cache_salt or None,
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
@@ -204,6 +208,7 @@ class DispatchShardOperator(BaseOperator):
         try:
             # Checked again here, not only in validate: this is where the requests leave.
             target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+            cache_salt = check_cache_salt(self.cache_salt or None)
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
         if target.api_key:
@@ -230,4 +235,5 @@ class DispatchShardOperator(BaseOperator):
             max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
             endpoint_wait_s=float(self.endpoint_wait_s), outage_budget_s=float(self.outage_budget_s),
             namespace=namespace, service_account=service_account, cancel_uri=cancel_marker_uri(work),
+            cache_salt=cache_salt,
         )

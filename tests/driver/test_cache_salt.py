@@ -1,0 +1,118 @@
+"""The batch's cache_salt on the wire (issue 19: tenants shared vLLM's prefix cache).
+
+The driver sends to a real aiohttp server that records every body; the salt is added to
+generation requests only, a line's own salt is kept under the batch's, and without a salt the
+bytes sent are the line's own. The cross-tenant effect on a real vLLM is
+tests/integration/test_batch_api.py::test_tenants_share_no_prefix_cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from aibrix_operators.batch_api.tenant_salt import load_cache_salt_key, tenant_cache_salt
+from aibrix_operators.driver.cli import build_parser, config_from
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.storage import LocalStorage
+from tests.driver.test_driver_faults import results_by_id, write_shard
+
+ANSWER = {"id": "c", "object": "chat.completion", "model": "m", "choices": [],
+          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+
+
+@pytest.fixture
+async def bodies():
+    seen: dict[str, dict] = {}  # the body's marker field -> the body received
+
+    async def record(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        seen[body["marker"]] = body
+        return web.json_response(ANSWER)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", record)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/"), seen
+    await server.close()
+
+
+def line(marker: str, url: str = "/v1/chat/completions", **body) -> dict:
+    return {"custom_id": marker, "method": "POST", "url": url,
+            "body": {"model": "m", "marker": marker, "messages": [], **body}}  # fmt: skip
+
+
+LINES = [
+    line("plain"),
+    line("own", cache_salt="mine"),
+    line("completion", url="/v1/completions"),
+    line("embedding", url="/v1/embeddings"),
+    line("not-a-string", cache_salt=7),
+]
+
+
+async def _send(url: str, tmp_path, salt: str | None) -> None:
+    storage, shard = LocalStorage(), write_shard(tmp_path, LINES)
+    cfg = DriverConfig(url, concurrency=2, flush_interval_s=0.05, api_key_env=None, cache_salt=salt)
+    await run_shard(storage, shard, str(tmp_path / "results"), cfg)
+    assert sorted(results_by_id(storage, str(tmp_path / "results"), shard)) == sorted(
+        r["custom_id"] for r in LINES
+    )
+
+
+async def test_the_batch_salt_is_on_every_generation_request(bodies, tmp_path) -> None:
+    url, seen = bodies
+    await _send(url, tmp_path, "tenant-abc")
+    salts = {marker: body.get("cache_salt", "<none>") for marker, body in seen.items()}
+    assert salts == {
+        "plain": "tenant-abc",
+        "own": "tenant-abc:mine",  # kept under the batch's: a line cannot name another tenant's
+        "completion": "tenant-abc",
+        "embedding": "<none>",  # vLLM's embeddings request has no cache_salt
+        "not-a-string": 7,  # left for vLLM to refuse as the line's own error
+    }
+
+
+async def test_without_a_salt_the_lines_go_as_written(bodies, tmp_path) -> None:
+    url, seen = bodies
+    await _send(url, tmp_path, None)
+    assert {m: b.get("cache_salt") for m, b in seen.items()} == {
+        "plain": None, "own": "mine", "completion": None, "embedding": None, "not-a-string": 7,
+    }  # fmt: skip
+
+
+def test_the_cli_takes_the_salt_and_refuses_a_bad_one() -> None:
+    base = ["--shard-uri", "s", "--results-prefix", "r", "--endpoint", "http://127.0.0.1:1"]
+    assert config_from(build_parser().parse_args([*base, "--cache-salt", "t-1"])).cache_salt == "t-1"
+    assert config_from(build_parser().parse_args(base)).cache_salt is None
+    with pytest.raises(ValueError, match="cache_salt"):
+        config_from(build_parser().parse_args([*base, "--cache-salt", "x" * 129]))
+    with pytest.raises(ValueError, match="cache_salt"):
+        config_from(build_parser().parse_args([*base, "--cache-salt", "a\nb"]))
+
+
+def test_tenant_salts_are_stable_distinct_and_keyed() -> None:
+    key = b"k" * 32
+    assert tenant_cache_salt(key, "alpha") == tenant_cache_salt(key, "alpha")
+    assert tenant_cache_salt(key, "alpha") != tenant_cache_salt(key, "beta")
+    assert tenant_cache_salt(key, "alpha") != tenant_cache_salt(b"j" * 32, "alpha")  # unguessable
+    assert "alpha" not in tenant_cache_salt(key, "alpha")
+
+
+def test_the_salt_key_comes_from_the_variable_or_a_random_one(caplog) -> None:
+    assert load_cache_salt_key(None, lambda: "from-variable") == b"from-variable"
+    assert load_cache_salt_key("off", lambda: "from-variable") is None
+    one, two = load_cache_salt_key("per-tenant", lambda: None), load_cache_salt_key(None, lambda: "")
+    assert one != two and len(one) == len(two) == 32  # never a fixed fallback
+    assert "aibrix_batch_cache_salt_key is not set" in caplog.text
+
+    def unreadable() -> str:
+        raise RuntimeError("secrets backend down")
+
+    assert len(load_cache_salt_key(None, unreadable)) == 32  # isolation does not fail open
+    with pytest.raises(ValueError, match="api_cache_salt"):
+        load_cache_salt_key("shared", lambda: None)
