@@ -94,6 +94,8 @@ def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
             proc = run(good, suite, "2026-11-01")
             assert proc.returncode == 0, proc.stdout[-5000:]
             assert s3_server.secret_key not in proc.stdout + proc.stderr
+            # The eval's batch is batch_inference's pipeline, prefix grouping included.
+            assert "prefix grouping auto:" in proc.stdout + proc.stderr
             keys = {o["Key"] for o in client.list_objects_v2(
                 Bucket=TEST_BUCKET, Prefix=f"nightly/eval/{suite}/2026-11-01/")["Contents"]}
             for name in ("report.html", "report.md", "results.jsonl", "summary.json", "trend.png",

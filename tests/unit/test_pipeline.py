@@ -1,0 +1,89 @@
+"""batch_inference and the nightly eval's batch group are one pipeline (operators/pipeline.py).
+
+The eval's copy of the wiring once drifted (hard-coded limits, no prefix grouping, an empty
+namespace): here the two are compared task by task and argument by argument, so a param added
+to one and not the other fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".work" / "airflow-unit"))
+PARAM_TEMPLATE = re.compile(r"^\{\{ params\.(\w+) \}\}$")
+# What the eval derives itself (its render task plans where the batch's files go).
+EVAL_OWN = {"input_uri", "output_uri"}
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"{name}_dag_module", REPO / "dags" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dags() -> tuple[Any, Any]:
+    batch = _load("batch_inference").dag
+    evals = [v for k, v in vars(_load("nightly_eval")).items() if k.startswith("nightly_eval__")]
+    assert evals, "no nightly eval DAG was built"
+    return batch, evals[0]
+
+
+def _fields(task: Any) -> dict[str, Any]:
+    source = getattr(task, "partial_kwargs", None)  # a mapped task keeps its arguments there
+    return {f: (source[f] if source is not None and f in source else getattr(task, f, None))
+            for f in task.template_fields}  # fmt: skip
+
+
+def test_the_eval_runs_the_same_tasks_with_every_param(dags) -> None:
+    from aibrix_operators.operators.pipeline import BATCH_PARAMS, BatchTasks
+
+    batch, evaluation = dags
+    for name in BatchTasks._fields:
+        ours, theirs = batch.task_dict[name], evaluation.task_dict[f"batch.{name}"]
+        assert type(ours) is type(theirs), name
+        assert ours.retries == theirs.retries and ours.trigger_rule == theirs.trigger_rule, name
+        assert ours.pool == theirs.pool, name
+        assert {f"batch.{t}" for t in ours.upstream_task_ids} <= theirs.upstream_task_ids, name
+        mine, eval_fields = _fields(ours), _fields(theirs)
+        assert set(mine) == set(eval_fields), name
+        for field, value in mine.items():
+            match = PARAM_TEMPLATE.match(value) if isinstance(value, str) else None
+            if match is None or match[1] in EVAL_OWN:
+                continue
+            param = match[1]
+            assert param in BATCH_PARAMS, (name, field, param)
+            # The eval passes its own param of that name, or the pipeline's default: never a
+            # value of its own making.
+            assert eval_fields[field] in (value, BATCH_PARAMS[param].value), (name, field, eval_fields[field])
+
+
+def test_the_eval_groups_prefixes_like_the_dag(dags) -> None:
+    batch, evaluation = dags
+    assert _fields(batch.task_dict["validate"])["prefix_grouping"] == "{{ params.prefix_grouping }}"
+    assert _fields(evaluation.task_dict["batch.validate"])["prefix_grouping"] == "auto"
+    record = evaluation.task_dict["batch.record_failure"]
+    assert record.validate_task_id == "batch.validate"
+    assert record.step_task_ids == ("batch.split", "batch.dispatch", "batch.merge")
+
+
+def test_the_pipeline_takes_every_param_and_nothing_else() -> None:
+    from airflow.sdk import DAG
+
+    from aibrix_operators.operators.pipeline import add_batch_tasks, param_defaults
+
+    with DAG("pipeline_args_check", schedule=None):
+        args = param_defaults()
+        args.pop("concurrency")
+        with pytest.raises(ValueError, match=r"missing \['concurrency'\]"):
+            add_batch_tasks(args, input_uri="in", output_uri="out")
+        with pytest.raises(ValueError, match=r"unknown \['concurency'\]"):
+            add_batch_tasks({**param_defaults(), "concurency": 1}, input_uri="in", output_uri="out")
