@@ -27,6 +27,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from aibrix_operators import config_sections
+
 RECOVERY_ENV: dict[str, str] = {
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
@@ -43,7 +45,7 @@ def dispatch_retry_policy() -> dict[str, Any]:
     """BaseOperator retry arguments of a dispatch task; read at DAG parse time."""
     from airflow.sdk import conf
 
-    retries = conf.getint("aibrix_batch", "dispatch_retries", fallback=DEFAULT_DISPATCH_RETRIES)
+    retries = conf.getint(config_sections.BATCH, "dispatch_retries", fallback=DEFAULT_DISPATCH_RETRIES)
     if retries < 0:
         raise ValueError(f"[aibrix_batch] dispatch_retries must be >= 0, not {retries}")
     return {"retries": retries, "retry_delay": timedelta(seconds=5)}

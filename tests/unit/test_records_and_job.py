@@ -34,6 +34,7 @@ BATCH_KEYS = {
     "output_file_id", "error_file_id", "created_at", "in_progress_at", "expires_at",
     "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at",
     "request_counts", "usage", "metadata",
+    "model",  # OpenAI's Batch object has it; batch.json and the Batch API now both carry it
 }
 
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.records import BatchObject
 from aibrix_operators.storage import Storage, StorageError, join_uri
@@ -98,7 +99,7 @@ def failed_batch(
     now = int(time.time())
     batch = BatchObject(
         id=batch_id, endpoint=endpoint, input_file_id=input_uri, completion_window=completion_window,
-        status="failed", errors=errors, created_at=created_at or now, failed_at=now,
+        status=BatchStatus.FAILED, errors=errors, created_at=created_at or now, failed_at=now,
         expires_at=expires_at, metadata=metadata or None,
     )
     batch.request_counts["total"] = total_requests

@@ -26,6 +26,7 @@ from aibrix_operators.batch.failures import (
     storage_error_code,
 )
 from aibrix_operators.batch.grouped_split import split_grouped
+from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
 from aibrix_operators.batch.prefixes import (
     PrefixSignatures,
@@ -255,14 +256,14 @@ def finalize_batch(
     ended = int(time.time())
     cancelled = summary.error_codes.get(CANCELLED_CODE, 0) > 0 or storage.exists(cancel_marker_uri(work))
     expired = not cancelled and summary.error_codes.get(EXPIRED_CODE, 0) > 0
-    status = "cancelled" if cancelled else "expired" if expired else "completed"
+    status = BatchStatus.CANCELLED if cancelled else BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED
     obj = BatchObject(
         id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
-        completion_window=batch.completion_window, status=status,
+        completion_window=batch.completion_window, status=status, model=batch.model,
         output_file_id=summary.output_uri, error_file_id=summary.errors_uri,
         created_at=batch.created_at, in_progress_at=in_progress_at or batch.created_at,
         expires_at=batch.expires_at, finalizing_at=finalizing_at,
-        completed_at=ended if status == "completed" else None,
+        completed_at=ended if status == BatchStatus.COMPLETED else None,
         expired_at=ended if expired else None, cancelled_at=ended if cancelled else None,
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,

@@ -36,6 +36,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from aibrix_operators.batch.lifecycle import PHASES as LIFECYCLE_PHASES
+from aibrix_operators.batch.lifecycle import TERMINAL as LIFECYCLE_TERMINAL
+
 log = logging.getLogger(__name__)
 
 JOB = "aibrix_batch"
@@ -44,8 +47,8 @@ RETENTION_ENV = "AIBRIX_BATCH_METRICS_RETENTION_S"
 DEFAULT_RETENTION_S = 3600.0
 # OpenAI's batch statuses (batch.json's ``status``), as a state set: one series per phase, 1 for the
 # current one, like kube-state-metrics' ``kube_pod_status_phase``.
-PHASES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelled")
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+PHASES = tuple(str(p) for p in LIFECYCLE_PHASES)
+TERMINAL = frozenset(str(s) for s in LIFECYCLE_TERMINAL)
 
 
 @dataclass(frozen=True)

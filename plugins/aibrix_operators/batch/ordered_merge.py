@@ -4,7 +4,7 @@ A grouped shard holds lines from all over the input (``ShardSpec.lines_uri`` lis
 input line numbers), so walking shards one after the other, as the contiguous case does,
 would write the output out of order. Instead, an external merge:
 
-1. per shard, the exactly-once walk of ``merging.shard_answers`` (first answer per
+1. per shard, the exactly-once walk of ``shard_answers.shard_answers`` (first answer per
    ``custom_id`` wins, repeats counted, missing/unknown ids fail), each answer tagged with its
    input line number; the shard's answers are sorted by it and written to a local run file.
    Memory: one shard's results, the bound merge always had;
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aibrix_operators.batch.grouped_split import read_shard_lines
-from aibrix_operators.batch.merging import MergeSummary, shard_answers
+from aibrix_operators.batch.shard_answers import MergeSummary, shard_answers
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.storage import Storage
 

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators.batch.lifecycle import BatchStatus
+
 SUPPORTED_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # OpenAI's limits, used as defaults; every one of them is a parameter.
 DEFAULT_MAX_REQUESTS = 50_000
@@ -125,7 +127,8 @@ class BatchObject:
     endpoint: str
     input_file_id: str
     completion_window: str = "24h"
-    status: str = "validating"
+    status: str = BatchStatus.VALIDATING
+    model: str | None = None  # the lines' body.model (one per batch; validation checks it)
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: dict[str, Any] | None = None
@@ -143,6 +146,10 @@ class BatchObject:
     )
     usage: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        # A plain str: the object goes to XCom and JSON, which need not know the enum.
+        self.status = str(BatchStatus(self.status))
 
     def as_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "object": "batch"}

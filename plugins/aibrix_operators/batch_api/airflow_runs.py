@@ -20,17 +20,19 @@ from datetime import datetime
 from typing import Any
 
 from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
+from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.files import batch_output_uri
-from aibrix_operators.batch_api.status import RunSnapshot, TaskState, batch_status
 from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 RUN_PREFIX = "openai__"
 _BINDINGS: dict[tuple[str, int], str] = {}  # (shard uri, size) → binding: shards never change
 _TERMINAL_RUN_STATES = ("success", "failed")
+# Statuses whose request counts come live from the drivers' checkpoints.
+RUNNING = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
 # What storage says about a finished run (batch.json, cancel marker) never changes until the
 # run is cleared and ends again, with a new end_date: cached per (run id, end_date), so a page
 # of finished batches costs no storage reads after the first.
@@ -177,7 +179,7 @@ class BatchRuns:
                 if len(_FINISHED) >= _FINISHED_MAX:
                     _FINISHED.clear()
                 _FINISHED[(row.run_id, row.end_date)] = (snap.batch_json, snap.cancel_at)
-            elif batch_status(snap) in ("in_progress", "cancelling", "finalizing"):
+            elif batch_status(snap) in RUNNING:
                 self._live_counts(snap, row.run_id, work_prefix(output, row.run_id))
         return snaps
 
@@ -195,7 +197,7 @@ class BatchRuns:
         return [join_uri(output, BATCH_FILE), cancel_marker_uri(work_prefix(output, row.run_id))]
 
     def _live_counts(self, snap: RunSnapshot, run_id: str, work: str) -> None:
-        validated = self._xcom(run_id, "validate")
+        validated = self._xcom(run_id, Step.VALIDATE)
         if isinstance(validated, dict):
             snap.total_requests = int(validated.get("total_requests") or 0)
         shards = self._xcom(run_id, "split")

@@ -23,10 +23,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aibrix_operators.batch.job import request_cancel, work_prefix
+from aibrix_operators.batch.lifecycle import TERMINAL, BatchStatus
 from aibrix_operators.batch_api import schemas
 from aibrix_operators.batch_api.airflow_runs import BatchRuns, RunRow, run_id_for
 from aibrix_operators.batch_api.auth import authenticate
 from aibrix_operators.batch_api.batches import (
+    API_CONF_KEY,
     check_endpoint,
     check_metadata,
     check_window,
@@ -47,7 +49,7 @@ from aibrix_operators.batch_api.ids import (
 )
 from aibrix_operators.batch_api.request_limits import RequestLimits
 from aibrix_operators.batch_api.settings import ApiSettings
-from aibrix_operators.batch_api.status import TERMINAL, batch_object
+from aibrix_operators.batch_api.status import batch_object
 from aibrix_operators.batch_api.tenant_salt import tenant_cache_salt
 from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.storage import Storage, StorageError, join_uri
@@ -216,7 +218,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
                         body.completion_window, metadata, model, route, int(time.time()), digest,
                         ctx.cache_salt(tenant))
         row, created = ctx.runs.trigger(run_id_for(tenant, batch_id), conf)
-        if not created and row.conf.get("openai_batch", {}).get("digest") != digest:
+        if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",
                            "idempotency_conflict", "Idempotency-Key")
         log.info("tenant %s %s batch %s", tenant, "created" if created else "re-requested", batch_id)
@@ -245,7 +247,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         ctx = context()
         row = _row(ctx, tenant, batch_id)
         current = _view(ctx, tenant, row)
-        if current["status"] in TERMINAL or current["status"] == "cancelling":
+        if current["status"] in TERMINAL or current["status"] == BatchStatus.CANCELLING:
             return current  # a finished batch stays as it is; a second cancel changes nothing
         # The marker first: it is what stops the drivers; then the same request on the run.
         request_cancel(ctx.storage, work_prefix(str(row.conf["output_uri"]), row.run_id),

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from aibrix_operators import config_sections
 from aibrix_operators.batch_api.app import ApiContext
 from aibrix_operators.batch_api.auth import VARIABLE, parse_keyring
 from aibrix_operators.batch_api.settings import load_settings
@@ -17,7 +18,7 @@ from aibrix_operators.localenv import WORK_DIR
 from aibrix_operators.storage import is_s3, storage_for
 
 log = logging.getLogger(__name__)
-SECTION = "aibrix_batch"
+SECTION = config_sections.BATCH
 
 
 def build_context() -> ApiContext:

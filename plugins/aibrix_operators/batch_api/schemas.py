@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from aibrix_operators.batch.lifecycle import BatchStatus
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -74,8 +76,7 @@ class Batch(BaseModel):
     errors: BatchErrors | None = None
     input_file_id: str
     completion_window: str
-    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
-                    "cancelling", "cancelled"]
+    status: BatchStatus
     output_file_id: str | None = None
     error_file_id: str | None = None
     created_at: int

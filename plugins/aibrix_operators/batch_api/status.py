@@ -1,74 +1,27 @@
-"""A DAG run's state → OpenAI's Batch object (pure; the Airflow adapter gathers the inputs).
+"""A run's snapshot → OpenAI's Batch object (pure; the Airflow adapter gathers the inputs).
 
-Sources of truth, in order: ``batch.json`` once the run has published it (merge
-or record_failure), the task instances while it runs, the cancel marker for
-``cancelling``. Mapping:
-
-=====================================================  ==============
-run queued, or validate not yet succeeded              validating
-validate succeeded, merge not started                  in_progress
-dispatch all done, merge queued/running                finalizing
-batch.json says completed / expired / cancelled        that status
-batch.json says failed, or the run failed              failed
-cancel marker present and not yet terminal             cancelling
-=====================================================  ==============
+The status comes from ``batch/lifecycle.py``; this module shapes the object a client sees.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators.batch.lifecycle import (
+    ENDED_WITH_OUTPUT,
+    TERMINAL,
+    BatchStatus,
+    RunSnapshot,
+    Step,
+    TaskState,
+    batch_status,
+)
+from aibrix_operators.batch.records import parse_completion_window
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
 
-TERMINAL = ("completed", "failed", "expired", "cancelled")
-_DONE_TI = ("success", "failed", "skipped", "upstream_failed", "removed")
-
-
-@dataclass
-class TaskState:
-    state: str | None
-    start: int | None = None
-    end: int | None = None
-
-
-@dataclass
-class RunSnapshot:
-    batch_id: str
-    conf: dict[str, Any]
-    run_state: str
-    tasks: dict[str, list[TaskState]] = field(default_factory=dict)
-    batch_json: dict[str, Any] | None = None
-    cancel_at: int | None = None
-    # (total, answered, errors) from the drivers' checkpoints while dispatch runs.
-    live_counts: tuple[int, int, int] | None = None
-    total_requests: int | None = None
-
-
-def _all(tasks: list[TaskState], states: tuple[str, ...]) -> bool:
-    return bool(tasks) and all(t.state in states for t in tasks)
-
-
-def batch_status(snap: RunSnapshot) -> str:
-    published = (snap.batch_json or {}).get("status")
-    if published == "failed":
-        return "failed"
-    if snap.run_state in ("success", "failed"):
-        if published in TERMINAL:
-            return published
-        return "failed"
-    validate = snap.tasks.get("validate", [])
-    merge = snap.tasks.get("merge", [])
-    dispatch = snap.tasks.get("dispatch", [])
-    if snap.cancel_at is not None:
-        return "cancelling"
-    if not _all(validate, ("success",)):
-        return "validating"
-    if merge and merge[0].state in ("running", "queued", "scheduled", "success") and _all(dispatch, _DONE_TI):
-        return "finalizing"
-    return "in_progress"
+__all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
 
 
 def batch_object(snap: RunSnapshot) -> dict[str, Any]:
@@ -78,10 +31,7 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
     status = batch_status(snap)
     created_at = int(api.get("created_at") or 0)
     window = snap.conf.get("completion_window", "24h")
-    from aibrix_operators.batch.records import parse_completion_window
-
-    validate = snap.tasks.get("validate", [])
-    merge = snap.tasks.get("merge", [])
+    validate, merge = snap.step(Step.VALIDATE), snap.step(Step.MERGE)
     in_progress_at = published.get("in_progress_at") or (
         validate[0].end if validate and validate[0].state == "success" else None)
     counts = published.get("request_counts") if status in TERMINAL else None
@@ -93,15 +43,15 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         else:
             counts = {"total": total, "completed": 0, "failed": 0}
     output_id = error_id = None
-    if status in ("completed", "expired", "cancelled"):
+    if status in ENDED_WITH_OUTPUT:
         # Like error_file_id: no file id for an output with nothing in it (OpenAI's rule; a
         # batch cancelled or expired before any answer has no output file).
         if published.get("output_file_id") and counts.get("completed", 0) > 0:
             output_id = output_file_id(snap.batch_id, "output")
         if published.get("error_file_id") and counts.get("failed", 0) > 0:
             error_id = output_file_id(snap.batch_id, "errors")
-    errors = published.get("errors") if status == "failed" else None
-    if status == "failed" and not errors:
+    errors = published.get("errors") if status == BatchStatus.FAILED else None
+    if status == BatchStatus.FAILED and not errors:
         errors = {"object": "list", "data": [{
             "code": "batch_run_failed", "message": "the batch's run failed before it published a result",
             "param": None, "line": None}]}
@@ -109,7 +59,7 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         hide = {str(snap.conf.get("input_uri") or "\0"): api.get("input_file_id", "the input file"),
                 str(snap.conf.get("output_uri") or "\0"): "the batch's output"}
         errors = {"object": "list", "data": [_error_item(e, hide) for e in errors.get("data", [])]}
-    ended = (snap.tasks.get("record_failure") or [TaskState(None)])[0].end
+    ended = (snap.step(Step.RECORD_FAILURE) or [TaskState(None)])[0].end
     return {
         "id": snap.batch_id,
         "object": "batch",
@@ -118,19 +68,20 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         "errors": errors,
         "input_file_id": api.get("input_file_id", ""),
         "completion_window": window,
-        "status": status,
+        "status": str(status),
         "output_file_id": output_id,
         "error_file_id": error_id,
         "created_at": created_at,
         "in_progress_at": in_progress_at,
         "expires_at": created_at + parse_completion_window(window) if created_at else None,
         "finalizing_at": published.get("finalizing_at") or (
-            merge[0].start if merge and status == "finalizing" else None),
-        "completed_at": published.get("completed_at") if status == "completed" else None,
-        "failed_at": (published.get("failed_at") or ended or created_at) if status == "failed" else None,
-        "expired_at": published.get("expired_at") if status == "expired" else None,
+            merge[0].start if merge and status == BatchStatus.FINALIZING else None),
+        "completed_at": published.get("completed_at") if status == BatchStatus.COMPLETED else None,
+        "failed_at": (published.get("failed_at") or ended or created_at)
+        if status == BatchStatus.FAILED else None,
+        "expired_at": published.get("expired_at") if status == BatchStatus.EXPIRED else None,
         "cancelling_at": snap.cancel_at,
-        "cancelled_at": published.get("cancelled_at") if status == "cancelled" else None,
+        "cancelled_at": published.get("cancelled_at") if status == BatchStatus.CANCELLED else None,
         "request_counts": {k: int(counts.get(k, 0)) for k in ("total", "completed", "failed")},
         "metadata": snap.conf.get("metadata") or None,
         "usage": published.get("usage") if status in TERMINAL else None,

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators import config_sections
 from aibrix_operators.dropzone.core import DERIVED_PARAMS, DropZone, DropZoneConfigError
 
-SECTION = "aibrix_dropzone"
+SECTION = config_sections.DROPZONE
 
 
 @dataclass(frozen=True)

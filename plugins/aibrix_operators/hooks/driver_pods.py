@@ -33,10 +33,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from aibrix_operators import config_sections
 from aibrix_operators.driver_pods.spec import DriverPodSettings
 from aibrix_operators.trust import parse_list
 
-SECTION = "aibrix_batch"
+SECTION = config_sections.BATCH
 # config key -> DriverPodSettings field
 _KEYS = {
     "kubernetes_conn_id": "kubernetes_conn_id",

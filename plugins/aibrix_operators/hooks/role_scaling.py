@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators import config_sections
 from aibrix_operators.scaling.config import RoleSettings, parse_roles
 
-SECTION = "aibrix_scaling"
+SECTION = config_sections.SCALING
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aibrix_operators import config_sections
 from aibrix_operators.localenv import REPO_ROOT
 from aibrix_operators.trust import (
     TrustPolicy,
@@ -24,7 +25,7 @@ from aibrix_operators.trust import (
     under_base,
 )
 
-SECTION = "aibrix_batch"
+SECTION = config_sections.BATCH
 KEYS = ("allowed_endpoints", "allowed_storage", "allowed_aws_conn_ids", "allowed_inference_conn_ids")
 # The endpoint used when a trigger names neither an endpoint nor an inference connection.
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"

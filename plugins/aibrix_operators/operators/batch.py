@@ -26,6 +26,7 @@ from aibrix_operators.batch.job import (
     validate_batch,
     work_prefix,
 )
+from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
@@ -139,7 +140,7 @@ class ValidateBatchOperator(BaseOperator):
         if batch is None:
             record: FailureRecord = report.record
             context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
-            batch_published(batch_id, phase="failed", created_at=time.time())
+            batch_published(batch_id, phase=BatchStatus.FAILED, created_at=time.time())
             log.error("%s", report.summary())
             log.error("%s", record.describe())
             raise AirflowFailException(f"{report.summary()}\n{record.describe()}")
@@ -147,7 +148,7 @@ class ValidateBatchOperator(BaseOperator):
         log.info("prefix grouping %s: %d request(s) share a prefix, %d shared prefix group(s)%s",
                  self.prefix_grouping, batch.prefix_shared_requests, batch.prefix_groups,
                  "; shards will hold whole groups" if batch.prefix_order_uri else "; input order kept")
-        batch_published(batch.batch_id, phase="validating", requests=batch.total_requests,
+        batch_published(batch.batch_id, phase=BatchStatus.VALIDATING, requests=batch.total_requests,
                         created_at=batch.created_at, deadline=batch.expires_at)
         return batch.as_dict()
 
@@ -171,7 +172,7 @@ class ValidateBatchOperator(BaseOperator):
             except Exception as exc:  # noqa: BLE001 - the record is best effort; the log says why
                 record = FailureRecord(self.output_uri, False, one_line(f"{type(exc).__name__}: {exc}"))
         context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
-        batch_published(batch_id, phase="failed", created_at=time.time())
+        batch_published(batch_id, phase=BatchStatus.FAILED, created_at=time.time())
         log.error("batch %s failed: [%s] %s", batch_id, code, message)
         log.error("%s", record.describe())
         raise AirflowFailException(f"[{code}] {message}\n{record.describe()}") from None
@@ -226,7 +227,7 @@ class SplitBatchOperator(BaseOperator):
             int(self.max_shards),
         )
         log.info("split %d requests into %d shard(s) under %s", batch.total_requests, len(shards), work)
-        batch_published(batch.batch_id, phase="in_progress", shards=len(shards), shards_done=0)
+        batch_published(batch.batch_id, phase=BatchStatus.IN_PROGRESS, shards=len(shards), shards_done=0)
         return [s.as_dict() for s in shards]
 
 
@@ -259,7 +260,7 @@ class MergeBatchOperator(BaseOperator):
         storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.output_uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         started = min((o.get("started_at", batch.created_at) for o in outcomes), default=None)
-        batch_published(batch.batch_id, phase="finalizing", shards_done=len(outcomes))
+        batch_published(batch.batch_id, phase=BatchStatus.FINALIZING, shards_done=len(outcomes))
         try:
             summary, obj = finalize_batch(storage, batch, shards, work, in_progress_at=started)
         except ExactlyOnceViolation as exc:
@@ -340,7 +341,7 @@ class RecordBatchFailureOperator(BaseOperator):
             for error in errors:
                 log.error("[%s] %s", error["code"], error["message"])
         log.error("%s", record.describe())
-        batch_published(batch.batch_id, phase="failed")
+        batch_published(batch.batch_id, phase=BatchStatus.FAILED)
         raise AirflowFailException(f"{message}\n{record.describe()}")
 
     def _record_without_validation(self, context: Context) -> str:

@@ -11,15 +11,18 @@ import logging
 import os
 from typing import Any
 
+from aibrix_operators.batch.lifecycle import TERMINAL, BatchStatus
 from aibrix_operators.batch.metrics import URL_ENV, BatchSnapshot, publish
 
 log = logging.getLogger(__name__)
-_STARTS_AND_ENDS = ("validating", "completed", "failed", "expired", "cancelled")
+_STARTS_AND_ENDS = frozenset({BatchStatus.VALIDATING, *TERMINAL})
 
 
 def batch_published(batch_id: str, **fields: Any) -> bool:
     """Push what this task knows; a batch start or end also prunes long-finished batches."""
     phase = fields.get("phase")
+    if phase is not None:
+        fields["phase"] = phase = str(phase)  # a plain label value, whatever the caller passed
     return publish(BatchSnapshot(batch_id, **fields), prune_now=phase in _STARTS_AND_ENDS)
 
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from airflow.sdk import Param
 
 from aibrix_operators.airflow_recovery import dispatch_retry_policy
+from aibrix_operators.batch.lifecycle import Step
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
@@ -154,7 +155,7 @@ def add_batch_tasks(
     a = args
     prefix = f"{group_id}." if group_id else ""
     validate = ValidateBatchOperator(
-        task_id="validate", input_uri=input_uri, output_uri=output_uri,
+        task_id=Step.VALIDATE.value, input_uri=input_uri, output_uri=output_uri,
         batch_endpoint=a["batch_endpoint"], expected_model=a["model"], max_requests=a["max_requests"],
         max_file_bytes=a["max_file_bytes"], max_line_bytes=a["max_line_bytes"],
         completion_window=a["completion_window"], metadata=a["metadata"], aws_conn_id=a["aws_conn_id"],
@@ -162,11 +163,11 @@ def add_batch_tasks(
         prefix_grouping=a["prefix_grouping"],
     )  # fmt: skip
     split = SplitBatchOperator(
-        task_id="split", validated=validate.output, requests_per_shard=a["requests_per_shard"],
+        task_id=Step.SPLIT.value, validated=validate.output, requests_per_shard=a["requests_per_shard"],
         bytes_per_shard=a["bytes_per_shard"], aws_conn_id=a["aws_conn_id"],
     )  # fmt: skip
     dispatch = DispatchShardOperator.partial(
-        task_id="dispatch", validated=validate.output, endpoint=a["endpoint"],
+        task_id=Step.DISPATCH.value, validated=validate.output, endpoint=a["endpoint"],
         inference_conn_id=a["inference_conn_id"], concurrency=a["concurrency"],
         max_attempts=a["max_attempts"], request_timeout_s=a["request_timeout_s"],
         cache_salt=a["cache_salt"], endpoint_wait_s=a["endpoint_wait_s"],
@@ -179,21 +180,21 @@ def add_batch_tasks(
         # Retries resume from checkpoints; sized for node losses (airflow_recovery.py).
         **dispatch_retry_policy(),
     ).expand(shard=split.output)  # fmt: skip
-    merge = MergeBatchOperator(task_id="merge", validated=validate.output, shards=split.output,
+    merge = MergeBatchOperator(task_id=Step.MERGE.value, validated=validate.output, shards=split.output,
                                outcomes=dispatch.output, aws_conn_id=a["aws_conn_id"])  # fmt: skip
     record_failure = RecordBatchFailureOperator(
-        task_id="record_failure", aws_conn_id=a["aws_conn_id"], output_uri=output_uri,
-        input_uri=input_uri, trigger_rule="one_failed", validate_task_id=f"{prefix}validate",
-        step_task_ids=tuple(f"{prefix}{t}" for t in ("split", "dispatch", "merge")),
+        task_id=Step.RECORD_FAILURE.value, aws_conn_id=a["aws_conn_id"], output_uri=output_uri,
+        input_uri=input_uri, trigger_rule="one_failed", validate_task_id=f"{prefix}{Step.VALIDATE}",
+        step_task_ids=tuple(f"{prefix}{t}" for t in (Step.SPLIT, Step.DISPATCH, Step.MERGE)),
     )  # fmt: skip
     [validate, split, dispatch, merge] >> record_failure
     # Serving roles: act only with execution_mode=kubernetes and [aibrix_scaling] roles set;
     # otherwise roles_ready succeeds at once and autoscale / scale_down skip (sensors/scaling.py).
-    roles_ready = RolesReadySensor(task_id="roles_ready", validated=validate.output,
+    roles_ready = RolesReadySensor(task_id=Step.ROLES_READY.value, validated=validate.output,
                                    execution_mode=a["execution_mode"], aws_conn_id=a["aws_conn_id"])
-    autoscale = AutoscaleSensor(task_id="autoscale", validated=validate.output, shards=split.output,
+    autoscale = AutoscaleSensor(task_id=Step.AUTOSCALE.value, validated=validate.output, shards=split.output,
                                 execution_mode=a["execution_mode"], aws_conn_id=a["aws_conn_id"])
-    scale_down = ScaleDownOperator(task_id="scale_down", execution_mode=a["execution_mode"])
+    scale_down = ScaleDownOperator(task_id=Step.SCALE_DOWN.value, execution_mode=a["execution_mode"])
     split >> roles_ready >> [dispatch, autoscale]
     [merge, autoscale] >> scale_down
     return BatchTasks(validate, split, dispatch, merge, record_failure, roles_ready, autoscale,

@@ -1,0 +1,112 @@
+"""One shard's answers in shard order, each request exactly once, counted into a summary.
+
+The walk both merges share (``merging.py`` for contiguous shards, ``ordered_merge.py`` for
+prefix-grouped ones): the first answer per ``custom_id`` in segment order wins (the earliest
+attempt's, when two attempts overlapped), repeats are counted, and a request without an answer
+or an answer without a request fails loudly instead of publishing a wrong result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.records import Usage
+from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class ExactlyOnceViolation(Exception):
+    """The results do not answer every request exactly once."""
+
+
+@dataclass
+class MergeSummary:
+    output_uri: str
+    errors_uri: str
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    usage: Usage = field(default_factory=Usage)
+    error_codes: dict[str, int] = field(default_factory=dict)
+    duplicates_discarded: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "output_uri": self.output_uri,
+            "errors_uri": self.errors_uri,
+            "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "usage": self.usage.as_dict(),
+            "error_codes": self.error_codes,
+            "duplicates_discarded": self.duplicates_discarded,
+        }
+
+
+def _shard_results(
+    storage: Storage, segments: list[str]
+) -> tuple[dict[str, tuple[bytes, dict[str, Any]]], int]:
+    """The first answer per ``custom_id`` in segment order, and how many repeats were dropped."""
+    results: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    repeats = 0
+    for uri in segments:
+        for line in storage.read_bytes(uri).splitlines():
+            if not line:
+                continue
+            record = loads(line)
+            cid = record["custom_id"]
+            if cid in results:
+                repeats += 1
+                continue
+            results[cid] = (line, record)
+    return results, repeats
+
+
+def shard_answers(
+    storage: Storage, shard: ShardSpec, segments: list[str], summary: MergeSummary
+) -> Iterator[tuple[int, bytes, bool]]:
+    """``(position in the shard, result line, is an error)`` for each of the shard's requests in
+    shard order, counted into ``summary``; raises ``ExactlyOnceViolation`` at the end if a request
+    has no result or a result answers no request of the shard."""
+    results, repeats = _shard_results(storage, segments)
+    if repeats:
+        log.warning("%s: %d repeated answer(s) from overlapping attempts discarded; the "
+                    "first answer per custom_id is kept", shard.name, repeats)
+        summary.duplicates_discarded += repeats
+    missing: list[str] = []
+    position = -1
+    with storage.open_read(shard.uri) as src:
+        for raw in src:
+            if not raw.strip():
+                continue
+            position += 1
+            cid = loads(raw)["custom_id"]
+            found = results.pop(cid, None)
+            if found is None:
+                missing.append(cid)
+                continue
+            line, record = found
+            summary.total += 1
+            if record.get("error") is None:
+                summary.completed += 1
+                summary.usage.add_response_body(record["response"]["body"])
+                yield position, line, False
+            else:
+                summary.failed += 1
+                code = str(record["error"].get("code"))
+                summary.error_codes[code] = summary.error_codes.get(code, 0) + 1
+                yield position, line, True
+    if missing:
+        raise ExactlyOnceViolation(
+            f"{shard.name}: {len(missing)} request(s) have no result, e.g. {missing[:5]}; "
+            "re-run the shard's dispatch task (it resumes where it stopped)"
+        )
+    if results:
+        raise ExactlyOnceViolation(
+            f"{shard.name}: {len(results)} result(s) for custom_ids that are not in the "
+            f"shard, e.g. {list(results)[:5]}"
+        )

@@ -1,0 +1,59 @@
+"""A batch's lifecycle has one home (batch/lifecycle.py): its statuses, steps and Batch object."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
+from aibrix_operators.batch.records import BatchObject
+from aibrix_operators.batch_api.schemas import Batch
+from aibrix_operators.batch_api.status import batch_object
+
+REPO = Path(__file__).resolve().parents[2]
+# Statuses that are nothing but batch statuses (``failed``/``completed`` are also task states
+# and count keys, so they stay legal as words elsewhere).
+ONLY_STATUSES = {BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
+                 BatchStatus.CANCELLING}  # fmt: skip
+
+
+def test_one_batch_object_in_the_api_the_store_and_the_status_mapping() -> None:
+    stored = BatchObject(id="batch_x", endpoint="/v1/chat/completions", input_file_id="f").as_dict()
+    shown = batch_object(RunSnapshot("batch_x", {}, "running"))
+    assert set(Batch.model_fields) == set(stored) == set(shown)
+    assert list(shown) == list(Batch.model_fields)  # OpenAI's order
+    assert set(Batch.model_json_schema()["$defs"]["BatchStatus"]["enum"]) == set(BatchStatus)
+
+
+def test_status_follows_the_steps() -> None:
+    def snap(**tasks: str) -> RunSnapshot:
+        return RunSnapshot("b", {}, "running", {k: [TaskState(v)] for k, v in tasks.items()})
+
+    assert batch_status(snap()) == BatchStatus.VALIDATING
+    assert batch_status(snap(**{Step.VALIDATE: "success"})) == BatchStatus.IN_PROGRESS
+    finalizing = snap(**{Step.VALIDATE: "success", Step.DISPATCH: "success", Step.MERGE: "running"})
+    assert batch_status(finalizing) == BatchStatus.FINALIZING
+    assert batch_status(RunSnapshot("b", {}, "success", batch_json={"status": "expired"})) == "expired"
+
+
+def test_status_words_are_spelled_only_in_the_lifecycle() -> None:
+    found = []
+    for path in [*(REPO / "plugins").rglob("*.py"), *(REPO / "dags").rglob("*.py")]:
+        if path.name == "lifecycle.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ONLY_STATUSES:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert found == []
+
+
+def test_the_pipelines_tasks_are_the_steps() -> None:
+    import importlib.util
+    import os
+
+    os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".work" / "airflow-unit"))
+    spec = importlib.util.spec_from_file_location("steps_dag", REPO / "dags" / "batch_inference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert set(module.dag.task_dict) == {str(s) for s in Step}
+    assert all(type(t) is str for t in module.dag.task_dict)  # plain ids, not enum members
