@@ -87,3 +87,25 @@ def test_the_pipeline_takes_every_param_and_nothing_else() -> None:
             add_batch_tasks(args, input_uri="in", output_uri="out")
         with pytest.raises(ValueError, match=r"unknown \['concurency'\]"):
             add_batch_tasks({**param_defaults(), "concurency": 1}, input_uri="in", output_uri="out")
+
+
+def test_every_operator_documents_its_arguments_in_the_providers_style() -> None:
+    """``:param name: ... (templated)`` for every template field, as Airflow's providers do."""
+    import inspect
+
+    from aibrix_operators.operators.batch import (
+        MergeBatchOperator,
+        RecordBatchFailureOperator,
+        SplitBatchOperator,
+        ValidateBatchOperator,
+    )
+    from aibrix_operators.operators.dispatch import DispatchShardOperator
+
+    for operator in (ValidateBatchOperator, SplitBatchOperator, DispatchShardOperator,
+                     MergeBatchOperator, RecordBatchFailureOperator):  # fmt: skip
+        doc = inspect.getdoc(operator) or ""
+        params = dict(re.findall(r":param (\w+):(.*?)(?=\n:param |\Z)", doc, re.S))
+        arguments = set(inspect.signature(operator.__init__).parameters) - {"self", "kwargs"}
+        assert set(params) == arguments, (operator.__name__, arguments ^ set(params))
+        for field in operator.template_fields:
+            assert "(templated)" in params[field], (operator.__name__, field)

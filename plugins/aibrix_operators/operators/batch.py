@@ -57,6 +57,22 @@ class ValidateBatchOperator(BaseOperator):
     failed ``batch.json`` at the output (when the output may and can be written;
     otherwise the log says why not). The outcome is also pushed as XCom
     ``failure_record`` for ``RecordBatchFailureOperator``.
+
+    :param input_uri: The OpenAI Batch JSONL file: a local path or ``s3://bucket/key``. (templated)
+    :param output_uri: Where the batch's outputs go: a local directory or ``s3://`` prefix. (templated)
+    :param batch_endpoint: The batch's endpoint (``/v1/chat/completions``, ...); ``auto`` or empty:
+        the first line's ``url``. Every line must match it. (templated)
+    :param max_requests: Lines allowed at most. (templated)
+    :param max_file_bytes: Size of the file allowed at most. (templated)
+    :param max_line_bytes: Size of one line allowed at most. (templated)
+    :param completion_window: Deadline from submission, e.g. ``24h``. (templated)
+    :param metadata: String pairs kept in ``batch.json``. (templated)
+    :param expected_model: ``body.model`` every line must name; empty accepts the file's. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs; empty: boto3's defaults. (templated)
+    :param endpoint: Base URL of the inference server, checked against the allow-list. (templated)
+    :param inference_conn_id: Airflow connection of the inference server (host and key). (templated)
+    :param prefix_grouping: ``auto`` groups requests sharing a prompt prefix into shards; ``off``
+        keeps input order. (templated)
     """
 
     template_fields: Sequence[str] = (
@@ -194,7 +210,14 @@ def _endpoint_or_auto(value: str | None) -> str | None:
 
 
 class SplitBatchOperator(BaseOperator):
-    """Cut the validated file into shards; returns shard descriptors for ``expand``."""
+    """Cut the validated file into shards; returns shard descriptors for ``expand``.
+
+    :param validated: The validate task's output (an XComArg). (templated)
+    :param requests_per_shard: Requests per shard at most. (templated)
+    :param bytes_per_shard: Bytes per shard at most. (templated)
+    :param max_shards: Shards at most (Airflow's ``max_map_length``); shards grow to fit. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs. (templated)
+    """
 
     template_fields: Sequence[str] = (
         "validated", "requests_per_shard", "bytes_per_shard", "max_shards", "aws_conn_id",
@@ -232,7 +255,13 @@ class SplitBatchOperator(BaseOperator):
 
 
 class MergeBatchOperator(BaseOperator):
-    """Merge shard results into output.jsonl / errors.jsonl / batch.json, in input order."""
+    """Merge shard results into output.jsonl / errors.jsonl / batch.json, in input order.
+
+    :param validated: The validate task's output. (templated)
+    :param shards: The split task's output (the shard descriptors). (templated)
+    :param outcomes: The dispatch tasks' outputs, one per shard. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs. (templated)
+    """
 
     template_fields: Sequence[str] = ("validated", "shards", "outcomes", "aws_conn_id")
 
@@ -289,6 +318,12 @@ class RecordBatchFailureOperator(BaseOperator):
     A failure in validation has already been recorded by the validate task (its
     XCom ``failure_record`` says where); if validate died without recording one,
     this task writes a generic record itself, if the output is on the allow-list.
+
+    :param validate_task_id: The validate task's id (prefixed inside a TaskGroup).
+    :param step_task_ids: The ids of the steps after validation whose errors it publishes.
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs. (templated)
+    :param output_uri: The batch's output location. (templated)
+    :param input_uri: The batch file, named in a generic failure record. (templated)
     """
 
     template_fields: Sequence[str] = ("aws_conn_id", "output_uri", "input_uri")

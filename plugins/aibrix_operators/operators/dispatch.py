@@ -116,7 +116,27 @@ def executor_for(mode: str, endpoint_wait_s: float = 0.0) -> ShardExecutor:
 
 
 class DispatchShardOperator(BaseOperator):
-    """Send one shard's requests to an OpenAI-compatible endpoint; map it over shards."""
+    """Send one shard's requests to an OpenAI-compatible endpoint; map it over shards.
+
+    Runs the driver in the worker (``execution_mode="local"``) or in a driver pod, deferring
+    while it runs (``"kubernetes"``). A retry resumes from the shard's checkpoints.
+
+    :param shard: One shard descriptor of the split task's output (the mapped argument). (templated)
+    :param validated: The validate task's output. (templated)
+    :param endpoint: Base URL of the inference server; checked against the allow-list. (templated)
+    :param concurrency: Requests in flight. (templated)
+    :param max_attempts: Attempts per request on 408/429/5xx/timeouts. (templated)
+    :param request_timeout_s: Per-request timeout, seconds. (templated)
+    :param execution_mode: ``local`` or ``kubernetes``. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs. (templated)
+    :param endpoint_wait_s: How long to wait for a starting endpoint. (templated)
+    :param inference_conn_id: Airflow connection of the inference server (host and key). (templated)
+    :param outage_budget_s: How long an endpoint that answers nothing is waited out. (templated)
+    :param kubernetes_namespace: Driver pods' namespace; empty: the deployment's. (templated)
+    :param kubernetes_service_account: Driver pods' service account; empty: the deployment's.
+        (templated)
+    :param cache_salt: vLLM ``cache_salt`` on every generation request. (templated)
+    """
 
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
