@@ -1,5 +1,5 @@
 """The ``airflow.cfg`` sections this package reads (``AIRFLOW__<SECTION>__<KEY>`` in the env)."""
 
 BATCH = "aibrix_batch"  # allow-lists, driver pods, the Batch API, dispatch retries
-SCALING = "aibrix_scaling"  # serving roles (hooks/role_scaling.py)
+SCALING = "aibrix_scaling"  # serving roles (settings/role_scaling.py)
 DROPZONE = "aibrix_dropzone"  # the S3 drop zone (dropzone/settings.py)

@@ -54,7 +54,7 @@ def test_metrics_port_zero_and_no_pushgateway_leave_the_pod_without_them():
 
 
 def test_settings_from_airflow_config(monkeypatch):
-    from aibrix_operators.hooks.driver_pods import load_driver_pod_settings
+    from aibrix_operators.settings.driver_pods import load_driver_pod_settings
 
     monkeypatch.setenv("AIRFLOW__AIBRIX_BATCH__DRIVER_METRICS_PORT", "9500")
     monkeypatch.setenv("AIRFLOW__AIBRIX_BATCH__DRIVER_PUSHGATEWAY_URL", "http://pgw:9091")

@@ -8,8 +8,7 @@ first L bytes of that array share the rendered prompt (chat template + system + 
 + the start of the last turn) to about the same depth, which is what vLLM's prefix cache
 reuses; the several lengths let partial sharing count (one few-shot template, different
 questions). No tokenizer: byte prefixes find the same groups without one, and tokenizing
-~1 KB costs ~50 µs of Python per request — more than validating it (README, *Prefix-aware
-batching*).
+~1 KB costs ~50 µs of Python per request — more than validating it (docs/prefix-batching.md).
 
 The hashes are Python's ``hash()`` (SipHash, 64-bit, seeded per process). They never leave
 the validating process: ``grouping_order`` turns them into an order of line numbers, which is

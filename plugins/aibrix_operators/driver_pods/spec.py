@@ -1,7 +1,7 @@
 """The batch-driver pod of one shard, as plain data (no Airflow, no Kubernetes client).
 
 ``DriverPodSettings`` is what the *deployment* decides (the ``[aibrix_batch]`` section of
-the Airflow config, read by ``hooks/driver_pods.py``): which cluster connection, image,
+the Airflow config, read by ``settings/driver_pods.py``): which cluster connection, image,
 Secrets, resources, and which namespaces / service accounts a trigger may pick.
 ``DriverPodRequest`` is what one shard needs. ``build_driver_pod`` turns both into the
 arguments of a ``KubernetesPodOperator`` (and ``manifest`` into a Pod manifest, for tests

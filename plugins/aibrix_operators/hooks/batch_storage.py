@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from airflow.sdk import BaseHook
 
 from aibrix_operators.storage import Storage, is_s3, storage_for
@@ -28,3 +30,14 @@ class BatchStorageHook(BaseHook):
 
             return storage_for(uri, S3Hook(aws_conn_id=self.aws_conn_id).get_conn())
         return storage_for(uri)
+
+
+class UsesBatchStorage:
+    """For operators that read or write batch files: ``self.hook``, built once per task from
+    the (rendered) ``aws_conn_id``, the way the providers' operators reach their hooks."""
+
+    aws_conn_id: str | None
+
+    @cached_property
+    def hook(self) -> BatchStorageHook:
+        return BatchStorageHook(self.aws_conn_id or None)

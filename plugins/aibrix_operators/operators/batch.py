@@ -36,10 +36,10 @@ from aibrix_operators.batch.records import (
 )
 from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
-from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
+from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 FAILURE_RECORD_KEY = "failure_record"
 
 
-class ValidateBatchOperator(BaseOperator):
+class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
     """Check the trigger against the allow-list, then validate the batch file before any inference.
 
     Returns the validated batch (XCom). Any failure — a trigger the allow-list
@@ -133,8 +133,8 @@ class ValidateBatchOperator(BaseOperator):
                 log.info("%s", line)
             self._fail(context, batch_id, metadata, "refused_by_policy", str(exc), output_refusal)
         try:
-            storage = BatchStorageHook(self.aws_conn_id).storage_for(self.input_uri)
-            out_storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+            storage = self.hook.storage_for(self.input_uri)
+            out_storage = self.hook.storage_for(self.output_uri)
         except Exception as exc:  # noqa: BLE001 - e.g. an unknown connection or URI scheme
             self._fail(context, batch_id, metadata, "invalid_storage", f"{type(exc).__name__}: {exc}",
                        "the output's storage could not be opened")
@@ -183,7 +183,7 @@ class ValidateBatchOperator(BaseOperator):
             )
             try:
                 if out_storage is None:
-                    out_storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+                    out_storage = self.hook.storage_for(self.output_uri)
                 record = publish_failure(out_storage, self.output_uri, obj)
             except Exception as exc:  # noqa: BLE001 - the record is best effort; the log says why
                 record = FailureRecord(self.output_uri, False, one_line(f"{type(exc).__name__}: {exc}"))
@@ -209,7 +209,7 @@ def _endpoint_or_auto(value: str | None) -> str | None:
     return None if value in (None, "", "auto") else value
 
 
-class SplitBatchOperator(BaseOperator):
+class SplitBatchOperator(UsesBatchStorage, BaseOperator):
     """Cut the validated file into shards; returns shard descriptors for ``expand``.
 
     :param validated: The validate task's output (an XComArg). (templated)
@@ -243,7 +243,7 @@ class SplitBatchOperator(BaseOperator):
     @records_step_error("split")
     def execute(self, context: Context) -> list[dict[str, Any]]:
         batch = ValidatedBatch.from_dict(self.validated)
-        storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.input_uri)
+        storage = self.hook.storage_for(batch.input_uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         shards = split_batch(
             storage, batch, work, int(self.requests_per_shard), int(self.bytes_per_shard),
@@ -254,7 +254,7 @@ class SplitBatchOperator(BaseOperator):
         return [s.as_dict() for s in shards]
 
 
-class MergeBatchOperator(BaseOperator):
+class MergeBatchOperator(UsesBatchStorage, BaseOperator):
     """Merge shard results into output.jsonl / errors.jsonl / batch.json, in input order.
 
     :param validated: The validate task's output. (templated)
@@ -286,7 +286,7 @@ class MergeBatchOperator(BaseOperator):
         shards = [ShardSpec.from_dict(s) for s in self.shards]
         # Index by length: iterating a lazy XCom sequence probes one past the end and logs a 404.
         outcomes = [self.outcomes[i] for i in range(len(self.outcomes))] if self.outcomes else []
-        storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.output_uri)
+        storage = self.hook.storage_for(batch.output_uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         started = min((o.get("started_at", batch.created_at) for o in outcomes), default=None)
         batch_published(batch.batch_id, phase=BatchStatus.FINALIZING, shards_done=len(outcomes))
@@ -310,7 +310,7 @@ class MergeBatchOperator(BaseOperator):
         return result
 
 
-class RecordBatchFailureOperator(BaseOperator):
+class RecordBatchFailureOperator(UsesBatchStorage, BaseOperator):
     """Runs when a step failed: makes sure a failed ``batch.json`` exists and fails the run.
 
     Use with ``trigger_rule="one_failed"`` downstream of every step. It fails
@@ -354,7 +354,7 @@ class RecordBatchFailureOperator(BaseOperator):
                 raise AirflowFailException(f"the batch failed in validation; {recorded}")
             raise AirflowFailException(self._record_without_validation(context))
         batch = ValidatedBatch.from_dict(validated)
-        storage = BatchStorageHook(self.aws_conn_id).storage_for(batch.output_uri)
+        storage = self.hook.storage_for(batch.output_uri)
         message = (
             f"run {context['run_id']} failed after validation; see the failed tasks' logs. "
             "Clearing them resumes from the checkpoints under "
@@ -392,7 +392,7 @@ class RecordBatchFailureOperator(BaseOperator):
         else:
             obj = failed_batch(batch_id=new_batch_id(), input_uri=self.input_uri or "",
                                errors=error_list("batch_run_failed", message))
-            storage = BatchStorageHook(self.aws_conn_id).storage_for(self.output_uri)
+            storage = self.hook.storage_for(self.output_uri)
             record = publish_failure(storage, self.output_uri, obj)
         log.error("%s", record.describe())
         return f"{message}; {record.describe()}"

@@ -26,11 +26,11 @@ from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.driver.results import results_prefix
 from aibrix_operators.driver_pods.outcome import DriverPodFailure
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
-from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.hooks.driver_pods import load_driver_pod_settings
-from aibrix_operators.hooks.trust import load_policy, resolve_inference
+from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.operators.batch_metrics import shard_finished
 from aibrix_operators.operators.step_errors import records_step_error
+from aibrix_operators.settings.driver_pods import load_driver_pod_settings
+from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
 
@@ -115,7 +115,7 @@ def executor_for(mode: str, endpoint_wait_s: float = 0.0) -> ShardExecutor:
     raise AirflowFailException(f"execution_mode {mode!r} is not one of {EXECUTION_MODES}")
 
 
-class DispatchShardOperator(BaseOperator):
+class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     """Send one shard's requests to an OpenAI-compatible endpoint; map it over shards.
 
     Runs the driver in the worker (``execution_mode="local"``) or in a driver pod, deferring
@@ -200,7 +200,7 @@ class DispatchShardOperator(BaseOperator):
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
-        storage = BatchStorageHook(self.aws_conn_id).storage_for(shard.uri)
+        storage = self.hook.storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
         outcome = executor.run(storage, shard, work, config, batch.model)

@@ -11,8 +11,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from aibrix_operators.evaluation import steps
 from aibrix_operators.evaluation.suites import load_suites
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.hooks.trust import load_policy
 from aibrix_operators.localenv import WORK_DIR
+from aibrix_operators.settings.trust import load_policy
 from aibrix_operators.trust import TrustViolation
 
 log = logging.getLogger(__name__)

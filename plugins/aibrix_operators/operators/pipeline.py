@@ -26,7 +26,6 @@ from aibrix_operators.batch.records import (
     DEFAULT_MAX_REQUESTS,
     SUPPORTED_ENDPOINTS,
 )
-from aibrix_operators.hooks.driver_pods import dispatch_pool
 from aibrix_operators.operators.batch import (
     MergeBatchOperator,
     RecordBatchFailureOperator,
@@ -35,6 +34,7 @@ from aibrix_operators.operators.batch import (
 )
 from aibrix_operators.operators.dispatch import DispatchShardOperator
 from aibrix_operators.sensors import AutoscaleSensor, RolesReadySensor, ScaleDownOperator
+from aibrix_operators.settings.driver_pods import dispatch_pool
 
 # Params whose empty value means "the default" carry "null" in their type: Airflow's trigger
 # form marks every other string field required and will not submit it empty.

@@ -38,8 +38,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from aibrix_operators.batch.job import ValidatedBatch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
-from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.hooks.role_scaling import ScalingSettings, load_scaling_settings, sync_api_client
+from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.scaling import metrics
 from aibrix_operators.scaling.kube import RoleScaler, ScalingError
 from aibrix_operators.scaling.load import RoleLoad
@@ -51,6 +50,7 @@ from aibrix_operators.scaling.policy import (
     decide,
 )
 from aibrix_operators.scaling.progress import ProgressTracker, RequestProfile, sample_profile
+from aibrix_operators.settings.role_scaling import ScalingSettings, load_scaling_settings, sync_api_client
 from aibrix_operators.triggers.scaling import AutoscaleTickTrigger, RolesReadyTrigger, scrape_load
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _apply(scaler: RoleScaler, settings: ScalingSettings, decisions: dict[str, S
             scaler.scale(settings.roles[role].target, d.desired_replicas)
 
 
-class RolesReadySensor(BaseOperator):
+class RolesReadySensor(UsesBatchStorage, BaseOperator):
     template_fields: Sequence[str] = ("validated", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, execution_mode: str = "local", aws_conn_id: str | None = None,
@@ -103,7 +103,7 @@ class RolesReadySensor(BaseOperator):
                      self.execution_mode)
             return {"scaled": False}
         batch = ValidatedBatch.from_dict(self.validated)
-        storage = BatchStorageHook(self.aws_conn_id or None).storage_for(batch.input_uri)
+        storage = self.hook.storage_for(batch.input_uri)
         profile = sample_profile(storage, batch.input_uri)
         work = RemainingWork(batch.total_requests, batch.total_requests * profile.prompt_tokens,
                              batch.total_requests * profile.max_tokens)
@@ -132,7 +132,7 @@ class RolesReadySensor(BaseOperator):
         return {"scaled": True, "ready": event["ready"]}
 
 
-class AutoscaleSensor(BaseOperator):
+class AutoscaleSensor(UsesBatchStorage, BaseOperator):
     template_fields: Sequence[str] = ("validated", "shards", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, shards: Any, execution_mode: str = "local",
@@ -164,7 +164,7 @@ class AutoscaleSensor(BaseOperator):
             raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
         batch = ValidatedBatch.from_dict(self.validated)
         shards = [ShardSpec.from_dict(s) for s in self.shards]
-        storage = BatchStorageHook(self.aws_conn_id or None).storage_for(batch.input_uri)
+        storage = self.hook.storage_for(batch.input_uri)
         state = dict(state or {})
         if "profile" not in state:
             state["profile"] = sample_profile(storage, batch.input_uri).__dict__

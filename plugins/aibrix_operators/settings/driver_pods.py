@@ -20,7 +20,7 @@ Keys (all optional; defaults in ``DriverPodSettings``)::
     driver_startup_timeout_s = 300
     driver_deadline_grace_s = 600
     driver_poll_interval_s = 2
-    driver_metrics_port = 9400                   # /metrics in the pod (0: off); README "Metrics"
+    driver_metrics_port = 9400                   # /metrics in the pod (0: off); docs/metrics.md
     driver_pushgateway_url = http://pushgateway.monitoring:9091   # empty: no push
     dispatch_pool = aibrix_dispatch              # read when the DAG is parsed
 
