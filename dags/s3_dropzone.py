@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import DAG
 
-from aibrix_operators.dropzone.operators import ClaimDropsOperator, DropZoneSensor, RecordClaimsOperator
+from aibrix_operators.operators.dropzone import ClaimDropsOperator, DropZoneSensor, RecordClaimsOperator
 
 with DAG(
     dag_id="s3_dropzone",

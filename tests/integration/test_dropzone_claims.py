@@ -17,7 +17,7 @@ from aibrix_operators.dropzone.core import (
     find_new,
     record,
 )
-from aibrix_operators.dropzone.trigger import DropZoneTrigger
+from aibrix_operators.triggers.dropzone import DropZoneTrigger
 from tests.integration.conftest import TEST_BUCKET
 
 A = b'{"custom_id": "a"}\n'

@@ -20,7 +20,7 @@ from aibrix_operators.dropzone.core import (
     run_id_for,
     seen_ids,
 )
-from aibrix_operators.dropzone.settings import parse_settings
+from aibrix_operators.settings.dropzone import parse_settings
 
 ZONE = DropZone.parse("s3://bkt/inbox", "s3://bkt/outbox/")
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -150,7 +150,7 @@ def test_the_dag_waits_claims_starts_batch_inference_and_records():
 def test_sensor_unconfigured_waits_then_fails_with_the_keys_to_set(monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-    from aibrix_operators.dropzone.operators import DropZoneSensor
+    from aibrix_operators.operators.dropzone import DropZoneSensor
 
     for key in ("INBOX", "OUTBOX"):
         monkeypatch.delenv(f"AIRFLOW__AIBRIX_DROPZONE__{key}", raising=False)
@@ -167,7 +167,7 @@ def test_sensor_unconfigured_waits_then_fails_with_the_keys_to_set(monkeypatch):
 def test_sensor_defers_to_the_inbox_trigger_with_the_deployments_settings(monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
 
-    from aibrix_operators.dropzone.operators import DropZoneSensor
+    from aibrix_operators.operators.dropzone import DropZoneSensor
 
     monkeypatch.setenv("AIRFLOW__AIBRIX_DROPZONE__INBOX", "s3://bkt/inbox")
     monkeypatch.setenv("AIRFLOW__AIBRIX_DROPZONE__OUTBOX", "s3://bkt/outbox")

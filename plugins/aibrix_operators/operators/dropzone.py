@@ -21,8 +21,8 @@ from aibrix_operators.dropzone.core import (
     claim,
     record,
 )
-from aibrix_operators.dropzone.settings import DropZoneSettings, load_settings
-from aibrix_operators.dropzone.trigger import DropZoneTrigger
+from aibrix_operators.settings.dropzone import DropZoneSettings, load_settings
+from aibrix_operators.triggers.dropzone import DropZoneTrigger
 
 log = logging.getLogger(__name__)
 CLAIMS_KEY = "claims"
