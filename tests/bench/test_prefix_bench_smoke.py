@@ -1,6 +1,6 @@
 """Smoke test of bench/prefix_batching.py's generator: the file is valid and groups as planned.
 
-The bench's timed runs start vLLM and take minutes (README, *Prefix-aware batching*); this
+The bench's timed runs start vLLM and take minutes (bench/RESULTS.md, `bench/prefix_batching.py`); this
 checks only what would silently make them meaningless: a shared-prefix workload that
 validation does not see as shared, or a KV-per-token figure that does not match the model.
 """

@@ -77,11 +77,12 @@ async def test_the_batch_salt_is_on_every_generation_request(bodies, tmp_path) -
     }
 
 
-async def test_without_a_salt_the_lines_go_as_written(bodies, tmp_path) -> None:
+async def test_without_a_salt_a_lines_own_is_namespaced(bodies, tmp_path) -> None:
+    # A direct trigger with no batch salt cannot send a bare salt of the Batch API's form.
     url, seen = bodies
     await _send(url, tmp_path, None)
     assert {m: b.get("cache_salt") for m, b in seen.items()} == {
-        "plain": None, "own": "mine", "completion": None, "embedding": None, "not-a-string": 7,
+        "plain": None, "own": "line:mine", "completion": None, "embedding": None, "not-a-string": 7,
     }  # fmt: skip
 
 
@@ -93,6 +94,8 @@ def test_the_cli_takes_the_salt_and_refuses_a_bad_one() -> None:
         config_from(build_parser().parse_args([*base, "--cache-salt", "x" * 129]))
     with pytest.raises(ValueError, match="cache_salt"):
         config_from(build_parser().parse_args([*base, "--cache-salt", "a\nb"]))
+    # The pod spec's one-token form takes a salt that starts with "-".
+    assert config_from(build_parser().parse_args([*base, "--cache-salt=-x"])).cache_salt == "-x"
 
 
 def test_tenant_salts_are_stable_distinct_and_keyed() -> None:

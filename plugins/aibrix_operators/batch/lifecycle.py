@@ -100,7 +100,9 @@ def batch_status(snap: RunSnapshot) -> BatchStatus:
     if published == BatchStatus.FAILED:
         return BatchStatus.FAILED
     if snap.run_state in _RUN_ENDED:
-        return BatchStatus(published) if published in TERMINAL else BatchStatus.FAILED
+        # A corrupt batch.json may hold anything as its status: only a known end counts.
+        known = isinstance(published, str) and published in TERMINAL
+        return BatchStatus(published) if known else BatchStatus.FAILED
     merge, dispatch = snap.step(Step.MERGE), snap.step(Step.DISPATCH)
     if snap.cancel_at is not None:
         return BatchStatus.CANCELLING

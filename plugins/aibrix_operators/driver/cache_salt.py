@@ -3,7 +3,8 @@
 vLLM shares prefix-cache blocks (and this project's kvcache tiers key them) only between
 requests with the same ``cache_salt``, so a salt per tenant means one tenant can neither read
 nor time another's cached prompts. A line's own salt is kept *under* the batch's: a tenant may
-split its own cache further, never join another's.
+split its own cache further, never join another's. Without a batch salt a line's own goes in a
+namespace of its own (``line:own``), so no line can send a bare salt of the Batch API's form.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def check_cache_salt(salt: str | None) -> str | None:
 
 def salted_body(body: dict[str, Any], salt: str | None, url: str) -> dict[str, Any]:
     """The body to send for one line (the line's own dict when nothing changes)."""
-    if salt is None or url not in SALTED_URLS:
+    if url not in SALTED_URLS:
         return body
     own = body.get("cache_salt")
+    if salt is None:
+        return {**body, "cache_salt": f"line:{own}"} if isinstance(own, str) else body
     if own is None:
         return {**body, "cache_salt": salt}
     if isinstance(own, str):

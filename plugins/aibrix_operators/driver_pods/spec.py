@@ -214,7 +214,7 @@ def build_driver_pod(
     if req.cancel_uri:
         args += ["--cancel-uri", req.cancel_uri]
     if req.cache_salt:
-        args += ["--cache-salt", req.cache_salt]
+        args += [f"--cache-salt={req.cache_salt}"]  # one token: a salt may start with "-"
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # progress lines as they happen
     if settings.s3_secret:
         env += [_secret_env(name, settings.s3_secret, name, optional) for name, optional in S3_SECRET_KEYS]
