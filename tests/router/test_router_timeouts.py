@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from aibrix_operators.serving.local_vllm import free_port
 from tests.router.stub_backend import StubBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,15 +27,9 @@ LINGER_S = 2.0  # router/cli.py
 BODY = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}).encode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RouterProcess:
     def __init__(self, decode_url: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
