@@ -65,12 +65,11 @@ def test_settings_from_airflow_config(monkeypatch):
 
 
 def test_provider_pod_carries_the_port():
-    from aibrix_operators.operators.driver_pod import DriverPodOperator
+    from aibrix_operators.operators.driver_pod import DriverPodRunner
 
     settings = DriverPodSettings()
-    op = DriverPodOperator(task_id="dispatch", pod=build_driver_pod(settings, REQ, now=NOW),
-                           settings=settings)
-    pod = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context=None, dry_run=True))
+    runner = DriverPodRunner(pod=build_driver_pod(settings, REQ, now=NOW), settings=settings)
+    pod = ApiClient().sanitize_for_serialization(runner.pod_request(context=None))
     assert pod["spec"]["containers"][0]["ports"] == [{"name": "metrics", "containerPort": 9400,
                                                       "protocol": "TCP"}]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"

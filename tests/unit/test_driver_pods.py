@@ -85,13 +85,11 @@ def test_namespace_and_service_account_only_from_the_allow_list() -> None:
 
 
 def test_provider_builds_the_pod_with_secret_refs_and_no_secret_values() -> None:
-    from aibrix_operators.operators.driver_pod import DriverPodOperator
+    from aibrix_operators.operators.driver_pod import DriverPodRunner
 
     settings = DriverPodSettings(namespace="batch")
-    op = DriverPodOperator(
-        task_id="dispatch", pod=build_driver_pod(settings, REQ, now=NOW), settings=settings
-    )
-    pod = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context=None, dry_run=True))
+    runner = DriverPodRunner(pod=build_driver_pod(settings, REQ, now=NOW), settings=settings)
+    pod = ApiClient().sanitize_for_serialization(runner.pod_request(context=None))
     spec = pod["spec"]
     c = spec["containers"][0]
     assert c["name"] == "base" and c["image"] == settings.image

@@ -3,9 +3,9 @@
 ``DriverPodSettings`` is what the *deployment* decides (the ``[aibrix_batch]`` section of
 the Airflow config, read by ``settings/driver_pods.py``): which cluster connection, image,
 Secrets, resources, and which namespaces / service accounts a trigger may pick.
-``DriverPodRequest`` is what one shard needs. ``build_driver_pod`` turns both into the
-arguments of a ``KubernetesPodOperator`` (and ``manifest`` into a Pod manifest, for tests
-and ``kubectl``-style review).
+``DriverPodRequest`` is what one shard needs. ``build_driver_pod`` turns both into a
+``DriverPod``, which ``operators/driver_pod.py`` creates (adding the task instance's labels)
+and ``manifest`` renders as a Pod manifest, for tests and ``kubectl``-style review.
 
 Secrets never become literal values: the S3 credentials and the inference API key are
 ``env[].valueFrom.secretKeyRef`` references to Secrets the deployment created; the pod
@@ -23,7 +23,7 @@ from aibrix_operators.trust import TrustViolation
 
 # The CLI in the driver image (inference_images/batch_driver/): same entry point as the Dockerfile's.
 DRIVER_COMMAND = ("python", "-m", "aibrix_operators.driver.cli")
-CONTAINER_NAME = "base"  # KubernetesPodOperator's base container: its logs and exit code are the task's
+CONTAINER_NAME = "base"  # the provider's base-container name: its logs and exit code are the task's
 LABEL_PREFIX = "aibrix.ai/"
 # boto3's variables, each from the S3 Secret's key of the same name; the first two are required
 # when an S3 Secret is configured, the others optional (a region / an S3-compatible endpoint).
@@ -129,7 +129,7 @@ class DriverPodRequest:
 
 @dataclass(frozen=True)
 class DriverPod:
-    """Everything ``KubernetesPodOperator`` needs for the pod, as plain data."""
+    """Everything the driver pod is, as plain data (``operators/driver_pod.py`` creates it)."""
 
     name: str
     namespace: str

@@ -2,10 +2,10 @@
 
 ``execution_mode="local"`` runs the batch driver inside the Airflow worker.
 ``"kubernetes"`` runs the same driver (``python -m aibrix_operators.driver.cli``) in a
-pod through the provider's KubernetesPodOperator, deferred while the pod runs (no worker
-slot held); validation, splitting and merging do not change, because the driver reads
-its shard from and writes its results to the same URIs in both modes. See
-docs/dispatch.md.
+pod (``operators/driver_pod.py``: the provider's hook, pod manager and ``KubernetesPodTrigger``,
+no ``KubernetesPodOperator``), deferred while the pod runs (no worker slot held);
+validation, splitting and merging do not change, because the driver reads its shard from
+and writes its results to the same URIs in both modes. See docs/dispatch.md.
 """
 
 from __future__ import annotations
@@ -66,34 +66,42 @@ class LocalShardExecutor:
 
 
 class KubernetesShardExecutor:
-    """Runs the driver CLI in a pod (``DriverPodOperator``), deferring while it runs.
+    """Runs the driver CLI in a pod (``DriverPodRunner``), deferring while it runs.
 
-    ``start`` raises ``TaskDeferred``; ``finish`` turns the pod's end into the task's
-    XCom (the driver's outcome) or a failure that says whether a retry can help.
+    ``start`` raises ``TaskDeferred`` (or returns the trigger-like event of a reattached pod that
+    has already finished); ``finish`` turns the pod's end into the task's XCom (the driver's
+    outcome) or a failure that says whether a retry can help.
     """
 
-    def __init__(self, settings: DriverPodSettings) -> None:
+    def __init__(self, settings: DriverPodSettings, log: Any = None) -> None:
         self.settings = settings
+        self.log = log
+        self.runner: Any = None  # the DriverPodRunner of the current call (on_kill deletes its pod)
 
-    def operator(self, request: DriverPodRequest, task_id: str):  # -> DriverPodOperator
-        from aibrix_operators.operators.driver_pod import DriverPodOperator  # the provider loads only here
+    def pod_runner(self, request: DriverPodRequest):  # -> DriverPodRunner
+        from aibrix_operators.operators.driver_pod import DriverPodRunner  # the provider loads only here
 
-        return DriverPodOperator(task_id=task_id, pod=build_driver_pod(self.settings, request),
-                                 settings=self.settings)
+        self.runner = DriverPodRunner(pod=build_driver_pod(self.settings, request), settings=self.settings,
+                                      log=self.log)
+        return self.runner
 
-    def start(self, context: Context, request: DriverPodRequest) -> None:
-        op = self.operator(request, context["ti"].task_id)
-        op.log.info("driver pod %s in namespace %s, image %s, labels %s", op.name, op.namespace, op.image,
-                    op.labels)
-        _raise_for(op.start, context)
+    def start(self, context: Context, request: DriverPodRequest) -> dict[str, Any] | None:
+        runner = self.pod_runner(request)
+        pod = runner.spec
+        runner.log.info("driver pod %s in namespace %s, image %s, labels %s", pod.name, pod.namespace,
+                        pod.image, pod.labels)
+        return _raise_for(runner.start, context)
 
     def finish(self, context: Context, request: DriverPodRequest, event: dict[str, Any]) -> dict[str, Any]:
-        op = self.operator(request, context["ti"].task_id)
-        verdict = _raise_for(op.finish, context, event)
+        verdict = _raise_for(self.pod_runner(request).finish, context, event)
         if verdict.failure is not None:
             raise_failure(verdict.failure)
         assert verdict.outcome is not None
         return verdict.outcome
+
+    def on_kill(self) -> None:
+        if self.runner is not None:
+            self.runner.on_kill()
 
 
 def _raise_for(call: Any, *args: Any) -> Any:
@@ -183,7 +191,10 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         if self.execution_mode == "kubernetes":
             request = self._pod_request(context)
-            KubernetesShardExecutor(self._pod_settings()).start(context, request)
+            # Defers (raises TaskDeferred) unless a reattached pod has already finished.
+            event = self._kubernetes().start(context, request)
+            assert event is not None
+            return self._finish_pod(context, request, event)
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)
         try:
@@ -209,14 +220,30 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
 
     @records_step_error("dispatch")
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """Resume after the driver pod's trigger fired (the provider's method name, kept so a
-        re-deferral by the provider comes back here)."""
-        request = self._pod_request(context)
-        outcome = KubernetesShardExecutor(self._pod_settings()).finish(context, request, event)
+        """Resume after the driver pod's ``KubernetesPodTrigger`` fired (``DriverPodRunner`` defers
+        to this name, the one the provider's operator used, so a task deferred by an older version
+        of this package resumes here too)."""
+        return self._finish_pod(context, self._pod_request(context), event)
+
+    def _finish_pod(
+        self, context: Context, request: DriverPodRequest, event: dict[str, Any]
+    ) -> dict[str, Any]:
+        outcome = self._kubernetes().finish(context, request, event)
         shard_finished(context, request.batch_id)
         self.log.info("shard %s: %s completed, %s failed (pod outcome)", request.shard_index,
                       outcome.get("completed"), outcome.get("failed"))
         return outcome
+
+    def _kubernetes(self) -> KubernetesShardExecutor:
+        self._pod_executor = KubernetesShardExecutor(self._pod_settings(), self.log)
+        return self._pod_executor
+
+    def on_kill(self) -> None:
+        """Killed while creating or finishing a pod: delete it (while deferred, the trigger's
+        ``on_kill_action`` does)."""
+        executor = getattr(self, "_pod_executor", None)
+        if executor is not None:
+            executor.on_kill()
 
     def _pod_settings(self) -> DriverPodSettings:
         return load_driver_pod_settings()

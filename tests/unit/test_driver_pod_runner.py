@@ -1,0 +1,214 @@
+"""``DriverPodRunner`` against the Kubernetes API double: create, defer on the provider's trigger,
+resume, judge; reattach; faults. Pods run as local processes (``process_cluster``): what is tested
+here is the API conversation, not the image (tests/integration/test_dag_kubernetes.py runs the
+real driver image in a whole DAG)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
+from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
+from airflow.sdk.exceptions import TaskDeferred
+from kubernetes.client import ApiClient
+
+from aibrix_operators.driver_pods.outcome import DriverPodFailure
+from aibrix_operators.driver_pods.spec import DriverPodSettings, build_driver_pod
+from aibrix_operators.operators.driver_pod import REDEFERS_KEY, RESUME_METHOD, DriverPodRunner
+from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, process_cluster  # noqa: F401 - fixture
+from tests.unit.test_driver_pods import NOW, REQ
+
+NS = "batch"
+RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+OUTCOME = {"total": 2, "completed": 2, "failed": 0, "resumed": 0}
+
+
+class Ti:
+    def __init__(self, try_number: int = 1) -> None:
+        self.dag_id, self.task_id, self.run_id = "batch_inference", "dispatch", RUN_ID
+        self.map_index, self.try_number = 3, try_number
+        self.xcoms: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.xcoms[key] = value
+
+
+class Store:
+    """``task_state_store`` as the task runner gives it (get/set of JSON values)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def set(self, key: str, value: Any, **_: Any) -> None:
+        self.values[key] = value
+
+
+def context(try_number: int = 1, store: Store | None = None) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"ti": Ti(try_number), "run_id": RUN_ID}
+    if store is not None:
+        ctx["task_state_store"] = store
+    return ctx
+
+
+def runner(code: str, try_number: int = 1) -> DriverPodRunner:
+    settings = DriverPodSettings(namespace=NS, image=LOCAL_PYTHON_IMAGE, poll_interval_s=0.2,
+                                 startup_timeout_s=30, schedule_timeout_s=30)
+    pod = build_driver_pod(settings, dataclasses.replace(REQ, attempt=try_number), now=NOW)
+    return DriverPodRunner(pod=dataclasses.replace(pod, command=["python", "-c", code], args=[]),
+                           settings=settings)
+
+
+@pytest.fixture
+def cluster(process_cluster, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", process_cluster.airflow_connection(NS))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    s3_keys = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}
+    process_cluster.add_secret(NS, "aibrix-batch-s3", s3_keys)
+    process_cluster.add_secret(NS, "aibrix-batch-inference", {})
+    return process_cluster
+
+
+def deferred(call, *args) -> TaskDeferred:
+    with pytest.raises(TaskDeferred) as info:
+        call(*args)
+    assert info.value.method_name == RESUME_METHOD
+    assert isinstance(info.value.trigger, KubernetesPodTrigger)
+    return info.value
+
+
+def fire(trigger: KubernetesPodTrigger) -> dict[str, Any]:
+    """Run the provider's trigger as the triggerer would (rebuilt from its serialized form)."""
+    _, kwargs = trigger.serialize()
+
+    async def first() -> dict[str, Any]:
+        async for event in KubernetesPodTrigger(**kwargs).run():
+            return event.payload
+        raise AssertionError("the trigger sent nothing")
+
+    return asyncio.run(first())
+
+
+def test_the_pod_request_is_the_driver_pod_plus_the_task_labels():
+    r = runner("pass")
+    sent = ApiClient().sanitize_for_serialization(r.pod_request(context()))
+    want = r.spec.manifest()
+    assert sent["metadata"]["name"].startswith(r.spec.name + "-") and len(sent["metadata"]["name"]) == len(
+        r.spec.name) + 9
+    assert sent["metadata"]["labels"] == {
+        **want["metadata"]["labels"], "dag_id": "batch_inference", "task_id": "dispatch",
+        "run_id": make_safe_label_value(RUN_ID), "map_index": "3", "try_number": "1",
+    }
+    assert sent["metadata"]["annotations"] == want["metadata"]["annotations"]
+    sent["spec"]["containers"][0].pop("terminationMessagePolicy")
+    assert sent["spec"] == want["spec"]  # every field: env refs, ports, resources, contexts, deadline
+
+
+def test_a_pod_is_created_deferred_on_the_provider_trigger_and_judged(cluster, caplog):
+    code = f"import json; print('working'); print(json.dumps({OUTCOME!r}))"
+    ctx = context()
+    deferral = deferred(runner(code).start, ctx)
+    name = deferral.trigger.pod_name
+    assert ctx["ti"].xcoms == {"pod_name": name, "pod_namespace": NS}
+    [pod] = cluster.pods(NS)
+    assert pod["metadata"]["name"] == name and pod["spec"]["automountServiceAccountToken"] is False
+    event = fire(deferral.trigger)
+    assert event["status"] == "success" and event["name"] == name
+    with caplog.at_level(logging.INFO):
+        verdict = runner(code).finish(ctx, event)  # a new runner, as after a resume
+    assert verdict.failure is None and verdict.outcome["completed"] == 2
+    assert "[base] working" in caplog.text
+    cluster.wait_for(lambda: cluster.pods(NS) == [], 10, "the finished pod deleted")
+
+
+def test_a_failed_pod_is_judged_from_its_exit_code_and_log(cluster):
+    code = "import sys; print('x ERROR shard: no such key'); sys.exit(5)"
+    deferral = deferred(runner(code).start, context())
+    event = fire(deferral.trigger)
+    assert event["status"] == "failed"
+    verdict = runner("").finish(context(), event)
+    assert verdict.failure.error_code == "storage_error" and verdict.failure.retryable
+    assert "no such key" in str(verdict.failure)
+
+
+def test_a_start_again_reattaches_to_this_tries_pod_and_a_retry_to_a_running_one(cluster):
+    sleeper = "import time; time.sleep(60)"
+    store = Store()
+    first = deferred(runner(sleeper).start, context(store=store)).trigger.pod_name
+    assert store.values["pod_identifier"] == {"name": first, "namespace": NS}
+    cluster.wait_for(lambda: cluster.kubelet.running(NS), 10, "the pod running")
+    # The same try again (the worker died before it deferred): found by its labels, no duplicate.
+    assert deferred(runner(sleeper).start, context()).trigger.pod_name == first
+    # The next try, while the old pod still runs: reattached through task_state_store.
+    assert deferred(runner(sleeper, 2).start, context(2, store)).trigger.pod_name == first
+    assert len(cluster.pods(NS)) == 1
+    # Without the stored identity the next try's labels differ: a pod of its own.
+    second = deferred(runner(sleeper, 2).start, context(2)).trigger.pod_name
+    assert second != first and len(cluster.pods(NS)) == 2
+    for name in (first, second):
+        r = runner(sleeper)
+        r.pod = r.pods.read_pod(_ref(name))
+        r.on_kill()
+
+
+def test_a_finished_pod_is_not_reattached(cluster):
+    store = Store()
+    name = deferred(runner("pass").start, context(store=store)).trigger.pod_name
+    def phase() -> str | None:
+        return cluster.store.get("/api/v1/pods", NS, name)["status"].get("phase")
+
+    cluster.wait_for(lambda: phase() == "Succeeded", 10, "the pod done")
+    again = deferred(runner("pass").start, context(store=store)).trigger.pod_name
+    assert again != name and [p["metadata"]["name"] for p in cluster.pods(NS)] == [again]
+
+
+def test_an_error_event_on_a_running_pod_defers_again_then_waits_for_it(cluster):
+    code = f"import json, time; time.sleep(2); print(json.dumps({OUTCOME!r}))"
+    name = deferred(runner(code).start, context()).trigger.pod_name
+    cluster.wait_for(lambda: cluster.kubelet.running(NS), 10, "the pod running")
+    error = {"status": "error", "name": name, "namespace": NS, "message": "watch broke"}
+    again = deferred(runner(code).finish, context(), error)
+    assert again.trigger.pod_name == name and again.trigger.trigger_kwargs == {REDEFERS_KEY: 1}
+    # After the last re-deferral the pod is waited for in the worker, then judged.
+    verdict = runner(code).finish(context(), {**error, REDEFERS_KEY: 3})
+    assert verdict.outcome["completed"] == 2
+
+
+def test_a_pod_gone_before_resume_is_lost(cluster):
+    verdict = runner("").finish(context(), {"status": "success", "name": "aibrix-driver-x", "namespace": NS})
+    assert verdict.failure.error_code == "driver_pod_lost" and verdict.failure.retryable
+
+
+def test_api_faults_on_create_conflict_is_retried_forbidden_fails_at_once(cluster):
+    conflict = cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 409)
+    deferred(runner("pass").start, context())
+    assert conflict.hits == 1 and len(cluster.pods(NS)) == 1
+    cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 403, times=10, message="pods is forbidden")
+    with pytest.raises(DriverPodFailure) as info:
+        runner("pass").start(context(2))
+    assert info.value.error_code == "kubernetes_forbidden" and not info.value.retryable
+    assert "403" in str(info.value)
+
+
+def test_an_unpullable_image_fails_at_once_naming_it(cluster):
+    r = runner("pass")
+    r.spec = dataclasses.replace(r.spec, image="registry.invalid/driver:nope")
+    event = fire(deferred(r.start, context()).trigger)
+    assert event["status"] in ("error", "failed", "timeout")
+    verdict = runner("").finish(context(), event)
+    assert verdict.failure.error_code == "driver_image_pull_failed" and not verdict.failure.retryable
+    assert "registry.invalid/driver:nope" in str(verdict.failure)
+    assert cluster.pods(NS) == []
+
+
+def _ref(name: str):
+    from kubernetes.client import models as k8s
+
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=NS))
+
