@@ -46,6 +46,10 @@ system-packages:
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+	@# fuse3 (fusermount3, libfuse3): the kvcache shared-tier test mounts a file system whose reads hang
+	@command -v fusermount3 >/dev/null && ldconfig -p | grep -q libfuse3 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq fuse3 >/dev/null; \
+	  else echo "fuse3 is missing: sudo apt-get install fuse3" >&2; exit 1; fi; }
 	@# chromium: the eval report's browser test renders it headless; chromium-driver: Selenium
 	@# drives it through the Airflow UI's trigger form
 	@command -v chromedriver >/dev/null || { \

@@ -35,6 +35,10 @@ class KVCacheSettings:
     # L2: shared between processes; "none", "fs" or "redis".
     l2_backend: str = "none"
     l2_fs_path: str = ""
+    # Seconds an fs-tier call may take (a stuck NFS read) before it counts as a miss; the
+    # tier is then skipped for l2_fs_retry_s.
+    l2_fs_timeout_s: float = 1.0
+    l2_fs_retry_s: float = 1.0
     # No password here: this dict travels on vLLM's command line. The password comes from
     # the environment variable named by l2_redis_password_env, else from the file
     # l2_redis_password_file (a mounted secret).
@@ -117,6 +121,8 @@ class KVCacheSettings:
             raise ValueError(f"l2_mac_alg must be blake2b or blake3, got {self.l2_mac_alg!r}")
         if self.handoff_wait_s < 0 or self.handoff_poll_s <= 0:
             raise ValueError("handoff_wait_s must be >= 0 and handoff_poll_s > 0")
+        if self.l2_fs_timeout_s <= 0 or self.l2_fs_retry_s < 0:
+            raise ValueError("l2_fs_timeout_s must be > 0 and l2_fs_retry_s >= 0")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
 

@@ -17,7 +17,7 @@ __all__ = [
 def make_l2(settings: KVCacheSettings) -> L2Store | None:
     """The configured L2 store, or None."""
     if settings.l2_backend == "fs":
-        return FilesystemStore(settings.l2_fs_path)
+        return FilesystemStore(settings.l2_fs_path, settings.l2_fs_timeout_s, settings.l2_fs_retry_s)
     if settings.l2_backend == "redis":
         password = read_secret(settings.l2_redis_password_env, settings.l2_redis_password_file)
         return RedisStore(

@@ -1,4 +1,9 @@
-"""L2 on a filesystem directory (a shared volume between prefill and decode pods)."""
+"""L2 on a filesystem directory (a shared volume between prefill and decode pods).
+
+Every call is bounded in size (reads: the record size the layout implies), in kind (regular
+files only, no links, no blocking open) and in time (``deadline.DeadlineRunner``: a read
+stuck in the kernel, as on a hung NFS mount, is a miss after ``timeout_s``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from kvcache.tiers.base import RecordRefused, TierUnavailable
+from kvcache.tiers.deadline import DeadlineRunner
 
 
 class FilesystemStore:
@@ -16,9 +22,10 @@ class FilesystemStore:
 
     name = "fs"
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.deadline = DeadlineRunner("fs", timeout_s, retry_s)
 
     def _path(self, key: str) -> Path:
         # Keys are "kv:<ns>:r<rank>:<hash>:L<layer>"; fan out by hash to keep directories small.
@@ -28,6 +35,18 @@ class FilesystemStore:
         return self.root / fan / safe
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        return self.deadline.run(f"the read of {key}", self._read, key, max_bytes)
+
+    def put(self, key: str, record: bytes) -> None:
+        self.deadline.run(f"the write of {key}", self._write, key, record)
+
+    def present(self, groups: list[list[str]]) -> list[bool]:
+        return self.deadline.run("an existence check", self._present, groups)
+
+    def close(self) -> None:
+        self.deadline.close()
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes | None:
         # O_NONBLOCK: a FIFO planted at the path opens at once instead of blocking the forward
         # pass; O_NOFOLLOW: a symlink (to /dev/zero, say) is refused; the fstat below refuses
         # anything but a regular file, and the size bound what one read may take.
@@ -58,7 +77,7 @@ class FilesystemStore:
             if fd >= 0:
                 os.close(fd)
 
-    def put(self, key: str, record: bytes) -> None:
+    def _write(self, key: str, record: bytes) -> None:
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,8 +88,5 @@ class FilesystemStore:
         except OSError as exc:
             raise TierUnavailable(str(exc)) from exc
 
-    def present(self, groups: list[list[str]]) -> list[bool]:
+    def _present(self, groups: list[list[str]]) -> list[bool]:
         return [all(self._path(k).exists() for k in group) for group in groups]
-
-    def close(self) -> None:
-        return None
