@@ -21,9 +21,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from aibrix_operators.batch_api.airflow_runs import run_id_for
 from aibrix_operators.batch_api.auth import key_digest
-from aibrix_operators.batch_api.tenant_salt import tenant_cache_salt
-from aibrix_operators.local_airflow import AirflowDeployment, start_airflow
+from aibrix_operators.batch_api.batches import API_CONF_KEY
+from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, tenant_cache_salt
+from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl
 
 MAX_UPLOAD = 2 * 1024 * 1024
@@ -165,6 +167,35 @@ def test_tenants_share_no_prefix_cache(api):
     assert cached_tokens("beta", line_salt=tenant_cache_salt(SALT_KEY.encode(), "alpha")) == 0
     assert cached_tokens("alpha") > 0  # the owner's next batch hits
     assert cached_tokens("beta") > 0  # and beta's own
+
+    # Someone who may read runs and trigger the DAG. Alpha's run shows a claim, never the salt.
+    alpha_salt = tenant_cache_salt(SALT_KEY.encode(), "alpha")
+    deployment, token = api.airflow, api.airflow.token()
+    runs = deployment.api("GET", "/api/v2/dags/batch_inference/dagRuns?limit=100", token=token)["dag_runs"]
+    alpha_runs = [r for r in runs if r["dag_run_id"].startswith(run_id_for("alpha", ""))]
+    assert alpha_runs and all(alpha_salt not in json.dumps(r) for r in runs)
+    conf = alpha_runs[0]["conf"]
+    assert set(conf[API_CONF_KEY][CLAIM_KEY]) == {"tenant", "tag"}
+    # 1. Alpha's conf copied into a run of one's own: the claim verifies in no other run, so
+    #    dispatch fails at once (no retry helps), sending nothing.
+    copied = trigger_and_wait(deployment, "batch_inference",
+                              {**conf, "output_uri": str(api.root / "replay-copied")}, timeout_s=300)
+    assert copied["state"] == "failed", copied
+    path = f"/api/v2/dags/batch_inference/dagRuns/{copied['dag_run_id']}/taskInstances"
+    [dispatch] = [t for t in deployment.api("GET", path, token=token)["task_instances"]
+                  if t["task_id"] == "dispatch"]
+    assert dispatch["state"] == "failed" and dispatch["try_number"] == 1, dispatch
+    log = deployment.api("GET", f"{path}/dispatch/logs/1?map_index={dispatch['map_index']}", token=token)
+    assert "does not verify for run" in json.dumps(log), log
+    # 2. Alpha's salt itself, learnt somehow, as the cache_salt param: sent as param:<salt>.
+    named = {k: v for k, v in conf.items() if k != API_CONF_KEY}
+    out = api.root / "replay-named"
+    run = trigger_and_wait(deployment, "batch_inference",
+                           {**named, "cache_salt": alpha_salt, "output_uri": str(out)}, timeout_s=300)
+    assert run["state"] == "success", run
+    [line] = read_jsonl((out / "output.jsonl").read_text())
+    usage = line["response"]["body"]["usage"]
+    assert ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) == 0
 
 
 def test_list_pagination_newest_first(api):

@@ -50,7 +50,7 @@ from aibrix_operators.batch_api.ids import (
 from aibrix_operators.batch_api.request_limits import RequestLimits
 from aibrix_operators.batch_api.settings import ApiSettings
 from aibrix_operators.batch_api.status import batch_object
-from aibrix_operators.batch_api.tenant_salt import tenant_cache_salt
+from aibrix_operators.batch_api.tenant_salt import salt_claim
 from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
@@ -81,8 +81,9 @@ class ApiContext:
         # view costs no storage round trip for them after the first.
         self.registered: set[tuple[str, str]] = set()
 
-    def cache_salt(self, tenant: str) -> str | None:
-        return None if self.cache_salt_key is None else tenant_cache_salt(self.cache_salt_key, tenant)
+    def cache_salt_claim(self, run_id: str, tenant: str) -> dict[str, str] | None:
+        """What the run's conf carries instead of the tenant's salt (batch_api/tenant_salt.py)."""
+        return None if self.cache_salt_key is None else salt_claim(self.cache_salt_key, run_id, tenant)
 
     def keyring(self) -> dict[str, str]:
         # Cached briefly: a key added or revoked takes effect within KEYRING_TTL_S.
@@ -214,10 +215,11 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         model, route = route_for(ctx.settings, first_line_model(ctx.storage, stored.content_uri))
         digest = request_digest(body.model_dump())
         batch_id = new_batch_id(tenant, idempotency_key)
+        run_id = run_id_for(tenant, batch_id)
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
                         body.completion_window, metadata, model, route, int(time.time()), digest,
-                        ctx.cache_salt(tenant))
-        row, created = ctx.runs.trigger(run_id_for(tenant, batch_id), conf)
+                        ctx.cache_salt_claim(run_id, tenant))
+        row, created = ctx.runs.trigger(run_id, conf)
         if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",
                            "idempotency_conflict", "Idempotency-Key")

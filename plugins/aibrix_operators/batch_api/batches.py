@@ -16,6 +16,7 @@ from aibrix_operators.batch.records import SUPPORTED_ENDPOINTS, parse_completion
 from aibrix_operators.batch_api.errors import bad_request
 from aibrix_operators.batch_api.files import batch_output_uri
 from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute
+from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY
 from aibrix_operators.storage import Storage
 
 MAX_METADATA_PAIRS = 16
@@ -101,7 +102,7 @@ def request_digest(body: dict[str, Any]) -> str:
 def dag_conf(
     settings: ApiSettings, tenant: str, batch_id: str, input_file_id: str, input_uri: str,
     endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
-    created_at: int, digest: str, cache_salt: str | None = None,
+    created_at: int, digest: str, salt_claim: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     conf: dict[str, Any] = {
         **settings.dag_conf,
@@ -113,7 +114,10 @@ def dag_conf(
         "metadata": metadata,
         "aws_conn_id": settings.aws_conn_id,
         **route.dag_params(),
-        "cache_salt": cache_salt,
-        API_CONF_KEY: {"input_file_id": input_file_id, "created_at": created_at, "digest": digest},
+        # No salt in the conf (anyone who may read the run would see it): a claim the dispatch
+        # task verifies against its run id, and derives the tenant's salt from (tenant_salt.py).
+        "cache_salt": None,
+        API_CONF_KEY: {"input_file_id": input_file_id, "created_at": created_at, "digest": digest,
+                       **({CLAIM_KEY: salt_claim} if salt_claim else {})},
     }
     return conf

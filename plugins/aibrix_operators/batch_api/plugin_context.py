@@ -32,7 +32,8 @@ def build_context() -> ApiContext:
         client = S3Hook(aws_conn_id=settings.aws_conn_id).get_conn()
     if not is_s3(settings.storage_root):
         os.makedirs(settings.storage_root, exist_ok=True)
-    salt_key = load_cache_salt_key(conf.get(SECTION, "api_cache_salt", fallback=None), _salt_variable)
+    salt_key = load_cache_salt_key(conf.get(SECTION, "api_cache_salt", fallback=None), _salt_variable,
+                                   _store_salt_variable)
     context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring, salt_key)
     if conf.getboolean(SECTION, "api_gc_tuning", fallback=True):
         tune_gc()
@@ -69,6 +70,12 @@ def _salt_variable() -> str | None:
     from airflow.models.variable import Variable
 
     return Variable.get(SALT_VARIABLE, default_var=None)
+
+
+def _store_salt_variable(value: str) -> None:
+    from airflow.models.variable import Variable
+
+    Variable.set(SALT_VARIABLE, value, description="HMAC key of the Batch API tenants' vLLM cache_salt")
 
 
 def load_keyring() -> dict[str, str]:

@@ -20,6 +20,9 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, run_shard_of_batch, work_prefix
 from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.batch_api.batches import API_CONF_KEY
+from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, salt_for_run
+from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_KEY_VARIABLE
 from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
@@ -143,7 +146,8 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     :param kubernetes_namespace: Driver pods' namespace; empty: the deployment's. (templated)
     :param kubernetes_service_account: Driver pods' service account; empty: the deployment's.
         (templated)
-    :param cache_salt: vLLM ``cache_salt`` on every generation request. (templated)
+    :param cache_salt: vLLM ``cache_salt`` on every generation request, sent as ``param:<salt>``; a
+        Batch API run's salt is derived from the claim in its conf instead. (templated)
     """
 
     template_fields: Sequence[str] = (
@@ -200,6 +204,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         try:
             # Checked again here, not only in validate: this is where the requests leave.
             target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+            cache_salt = self._batch_salt(context)
             # The worker's own environment never supplies a key (api_key_env=None): a key
             # comes only from the inference connection and is bound to its host.
             config = DriverConfig(
@@ -207,7 +212,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
                 max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
                 deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
                 api_key_origin=target.api_key_origin, outage_budget_s=float(self.outage_budget_s),
-                cache_salt=self.cache_salt or None,
+                cache_salt=cache_salt,
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
@@ -245,6 +250,15 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         if executor is not None:
             executor.on_kill()
 
+    def _batch_salt(self, context: Context) -> str | None:
+        """This run's salt: the tenant's, from a Batch API claim that verifies for this run id,
+        else the ``cache_salt`` param in a namespace of its own (batch_api/tenant_salt.py).
+        Raises ``ValueError`` for a claim that does not verify: a copied conf fails the task."""
+        conf = getattr(context.get("dag_run"), "conf", None) or {}
+        api = conf.get(API_CONF_KEY) if isinstance(conf, dict) else None
+        claim = api.get(CLAIM_KEY) if isinstance(api, dict) else None
+        return salt_for_run(context["run_id"], claim, check_cache_salt(self.cache_salt or None), _salt_key)
+
     def _pod_settings(self) -> DriverPodSettings:
         return load_driver_pod_settings()
 
@@ -255,7 +269,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         try:
             # Checked again here, not only in validate: this is where the requests leave.
             target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
-            cache_salt = check_cache_salt(self.cache_salt or None)
+            cache_salt = self._batch_salt(context)
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
         if target.api_key:
@@ -284,3 +298,14 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             namespace=namespace, service_account=service_account, cancel_uri=cancel_marker_uri(work),
             cache_salt=cache_salt,
         )
+
+
+def _salt_key() -> bytes | None:
+    """The key of the Batch API's salt claims, read only for a run that carries one."""
+    from airflow.sdk import Variable
+
+    try:
+        value = Variable.get(SALT_KEY_VARIABLE, default=None)
+    except Exception:  # noqa: BLE001 - unreadable is reported as missing, by name, in the task's error
+        return None
+    return str(value).encode() if value else None

@@ -85,9 +85,9 @@ BATCH_PARAMS: dict[str, Param] = {
     "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
     "cache_salt": Param(
         None, type=["null", "string"], maxLength=128,
-        description="vLLM cache_salt added to every chat/completions request (a line's own is kept "
-        "under it): requests share cached prompt prefixes only with the same salt. The Batch API "
-        "sets an unguessable one per tenant; empty: the lines' own.",
+        description="vLLM cache_salt added to every chat/completions request, as param:<salt> (a "
+        "line's own is kept under it): requests share cached prompt prefixes only with the same "
+        "salt. Batch API runs get their tenant's salt instead; empty: the lines' own.",
     ),
     "completion_window": Param(
         "24h", type="string", pattern="^[0-9]+[hms]$",
@@ -96,7 +96,8 @@ BATCH_PARAMS: dict[str, Param] = {
     "execution_mode": Param(
         "local", type="string", enum=["local", "kubernetes"],
         description="Where shard drivers run: in the Airflow worker, or in driver pods (deferrable "
-        "KubernetesPodOperator; cluster, image and Secrets are the deployment's: docs/dispatch.md).",
+        "the provider's KubernetesPodTrigger; cluster, image and Secrets are the deployment's: "
+        "docs/dispatch.md).",
     ),
     "kubernetes_namespace": Param(
         "", type=["null", "string"],
