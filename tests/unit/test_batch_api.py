@@ -236,3 +236,23 @@ def test_a_batch_upload_must_be_a_jsonl_file_and_publishes_nothing(tmp_path, nam
     assert store.list("alpha", None, 10, "desc", None) == ([], False)
     body, ctype = _multipart(b'{"custom_id": "a"}\n', name="Input.JSONL")  # the well-formed upload succeeds
     assert asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 1000)).filename == "Input.JSONL"
+
+
+def test_timestamps_are_set_with_their_status_and_never_move():
+    """Found by AIBrix's tests: finalizing_at was null while the merge task waited for a slot,
+    and in_progress_at moved from validation's end to the first shard's start at the end."""
+    queued_merge = _snap(validate=["success"], dispatch=["success", "success"], merge=["queued"])
+    queued_merge.tasks["dispatch"] = [TaskState("success", 3, 7), TaskState("success", 3, 8)]
+    queued_merge.tasks["merge"] = [TaskState("queued", None, None)]
+    obj = batch_object(queued_merge)
+    assert obj["status"] == "finalizing" and obj["finalizing_at"] == 8
+    started = _snap(validate=["success"], dispatch=["success"], merge=["running"])
+    started.tasks["merge"] = [TaskState("running", 9, None)]
+    assert batch_object(started)["finalizing_at"] == 9
+    live = _snap(validate=["success"], dispatch=["running"])
+    live.tasks["validate"] = [TaskState("success", 1, 2)]
+    done = _snap("success", validate=["success"], dispatch=["success"], merge=["success"])
+    done.tasks["validate"] = [TaskState("success", 1, 2)]
+    done.batch_json = {"status": "completed", "in_progress_at": 5, "finalizing_at": 9, "completed_at": 10,
+                       "request_counts": {"total": 1, "completed": 1, "failed": 0}}
+    assert batch_object(live)["in_progress_at"] == batch_object(done)["in_progress_at"] == 2

@@ -67,6 +67,8 @@ async def test_json_bodies_are_bounded_declared_or_chunked(client):
     ok = {"input_file_id": "file-" + "0" * 32, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     resp = await client.post("/v1/batches", json=ok, headers=AUTH)
     assert resp.status_code == 404, resp.text
+    # The error names the parameter the client sent (found by AIBrix's tests: it said "id").
+    assert resp.json()["error"]["param"] == "input_file_id" and resp.json()["error"]["code"] == "not_found"
 
 
 def multipart(fields: int, file_bytes: bytes = b'{"custom_id": "a"}\n') -> tuple[bytes, str]:

@@ -208,7 +208,12 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         check_window(body.completion_window)
         metadata = check_metadata(body.metadata)
         file_id = check_file_id(body.input_file_id, "input_file_id")
-        stored = ctx.files.get(tenant, file_id)
+        try:
+            stored = ctx.files.get(tenant, file_id)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            raise not_found("file", file_id, "input_file_id") from None  # the param the client sent
         if stored.purpose != "batch":
             raise bad_request(f"file {file_id} has purpose {stored.purpose!r}, not 'batch'",
                               "input_file_id", "invalid_input_file")

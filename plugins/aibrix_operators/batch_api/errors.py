@@ -39,9 +39,9 @@ def error_body(
                       "param": param, "code": code}}
 
 
-def not_found(kind: str, ident: str) -> ApiError:
+def not_found(kind: str, ident: str, param: str = "id") -> ApiError:
     # The same answer whether the object does not exist or belongs to another tenant.
-    return ApiError(404, f"No such {kind}: {ident}", "not_found", "id")
+    return ApiError(404, f"No such {kind}: {ident}", "not_found", param)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:

@@ -32,8 +32,11 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
     created_at = int(api.get("created_at") or 0)
     window = snap.conf.get("completion_window", "24h")
     validate, merge = snap.step(Step.VALIDATE), snap.step(Step.MERGE)
-    in_progress_at = published.get("in_progress_at") or (
-        validate[0].end if validate and validate[0].state == "success" else None)
+    # The moment the status became in_progress (validation done), live and after the end alike:
+    # a value a client has read never changes. batch.json's own (the first request sent) only
+    # stands in when the run's tasks are gone.
+    validated = validate[0].end if validate and validate[0].state == "success" else None
+    in_progress_at = validated or published.get("in_progress_at")
     counts = published.get("request_counts") if status in TERMINAL else None
     if counts is None:
         total = snap.total_requests or 0
@@ -75,7 +78,7 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         "in_progress_at": in_progress_at,
         "expires_at": created_at + parse_completion_window(window) if created_at else None,
         "finalizing_at": published.get("finalizing_at") or (
-            merge[0].start if merge and status == BatchStatus.FINALIZING else None),
+            _finalizing_since(merge, snap.step(Step.DISPATCH)) if status == BatchStatus.FINALIZING else None),
         "completed_at": published.get("completed_at") if status == BatchStatus.COMPLETED else None,
         "failed_at": (published.get("failed_at") or ended or created_at)
         if status == BatchStatus.FAILED else None,
@@ -86,6 +89,15 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         "metadata": snap.conf.get("metadata") or None,
         "usage": published.get("usage") if status in TERMINAL else None,
     }
+
+
+def _finalizing_since(merge: list[TaskState], dispatch: list[TaskState]) -> int | None:
+    """The merge task's start; while it waits for a slot, the end of the last shard (the status
+    is finalizing from then on, and OpenAI's ``finalizing_at`` is never null while it is)."""
+    if merge and merge[0].start is not None:
+        return merge[0].start
+    ends = [t.end for t in dispatch if t.end is not None]
+    return max(ends) if ends else None
 
 
 # Addresses of the deployment that a message may carry (a task's error names the endpoint it
