@@ -9,6 +9,7 @@ from kvcache import codec
 from kvcache.config import KVCacheSettings
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata
 from kvcache.tiers import FilesystemStore, RedisStore
+from kvcache.transfer_jobs import StoreJob
 from kvcache.worker import KVCacheWorker
 
 LAYERS, BLOCKS, HEADS, BS, DIM2 = 3, 16, 2, 4, 8
@@ -173,7 +174,7 @@ def test_a_flipped_bit_at_rest_in_l1_fails_only_that_chunk(
     """Damage to a slot's bytes (not the fault hook): the full check, which on CPU hashes each
     chunk right after copying it (chunks shared out over ``threads``), fails exactly that
     chunk; its neighbour still loads."""
-    monkeypatch.setattr("kvcache.worker.host_threads", lambda: threads)
+    monkeypatch.setattr("kvcache.transfer_engine.host_threads", lambda: threads)
     w, kv = _worker({"l1_checksum": l1_checksum})
     _fill(kv, [1, 2])
     _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)]), ChunkTransfer("b", [(0, 2)])],
@@ -202,7 +203,7 @@ def test_cpu_pipelined_l1_path_uses_no_threads() -> None:
     assert _step(w, KVCacheStepMetadata(loads=[ChunkTransfer("a", [(0, 8)]), ChunkTransfer("b", [(0, 9)])],
                                         chunk_tokens=BS)) == set()  # fmt: skip
     assert all(torch.equal(t[8], t[1]) and torch.equal(t[9], t[2]) for t in kv.values())
-    assert not w._io._threads and not w._saver._threads
+    assert not w.engine._io._threads and not w.engine._saver._threads
     w.shutdown()
 
 
@@ -311,7 +312,7 @@ def test_failed_copy_out_is_dropped_not_raised(mode: str, monkeypatch) -> None:
     its slots go back, its requests re-plan their saves, and the next step works."""
     w, kv = _worker({"mode": mode})
     _fill(kv, [1, 2])
-    real = w._gather_layer
+    real = StoreJob.gather_layer
     calls = {"n": 0}
 
     def flaky(step, layer, ready):
@@ -320,7 +321,7 @@ def test_failed_copy_out_is_dropped_not_raised(mode: str, monkeypatch) -> None:
             raise RuntimeError("copy failed")
         return real(step, layer, ready)
 
-    monkeypatch.setattr(w, "_gather_layer", flaky)
+    monkeypatch.setattr(StoreJob, "gather_layer", flaky)
     meta = KVCacheStepMetadata(saves=[ChunkTransfer("a", [(0, 1)], "rA")], chunk_tokens=BS)
     assert _step(w, meta) == set()  # no exception out of save_layer / wait_for_save
     assert calls["n"] >= 2
@@ -328,7 +329,7 @@ def test_failed_copy_out_is_dropped_not_raised(mode: str, monkeypatch) -> None:
     assert report is not None and report.failed_reqs == {"rA"} and not report.stored
     assert w.chunk_key("a") not in w.l1
     assert w.slab is not None and w.slab.slots_in_use == 0
-    monkeypatch.setattr(w, "_gather_layer", real)
+    monkeypatch.setattr(StoreJob, "gather_layer", real)
     _step(w, KVCacheStepMetadata(saves=[ChunkTransfer("b", [(0, 2)], "rB")], chunk_tokens=BS))
     assert w.chunk_key("b") in w.l1
     w.shutdown()
@@ -407,7 +408,7 @@ def test_full_check_values_are_the_slots_checksums_whatever_the_threads(
     """CPU full check: chunks with runs and gaps of blocks, copied over ``threads``; every
     check value is the checksum of the slot's bytes (the value an L2 record carries, so a
     promoted or written-behind chunk checks the same), and the loads are exact."""
-    monkeypatch.setattr("kvcache.worker.host_threads", lambda: threads)
+    monkeypatch.setattr("kvcache.transfer_engine.host_threads", lambda: threads)
     w, kv = _worker({"l1_checksum": "full", "chunk_tokens": 2 * BS})
     _fill(kv, [1, 2, 3, 5, 8, 9])
     saves = [ChunkTransfer("a", [(0, 1), (1, 2)]), ChunkTransfer("b", [(0, 5), (1, 3)]),

@@ -1,0 +1,124 @@
+"""The transfer engine and its jobs on their own (no KVCacheWorker, no L1 index): a store
+job into slab slots, load jobs back from them and from L2 records, and the checks that
+fail a damaged chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import codec
+from kvcache.config import KVCacheSettings
+from kvcache.metadata import ChunkTransfer
+from kvcache.transfer_engine import TransferEngine
+from kvcache.transfer_jobs import L1Chunk, LoadJob, StoreJob
+
+LAYERS, BLOCKS, HEADS, BS, DIM2 = 3, 16, 2, 4, 8
+SAVES = [ChunkTransfer("a", [(0, 3), (1, 4)]), ChunkTransfer("b", [(0, 9), (1, 7)])]
+
+
+class _DictStore:
+    """An L2 that is a dict of records."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.records: dict[str, bytes] = {}
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        return self.records.get(key)
+
+
+def _engine(l2: _DictStore | None = None, **extra: object) -> tuple[TransferEngine, list[torch.Tensor]]:
+    settings = KVCacheSettings.from_extra({"chunk_tokens": 2 * BS, **extra})
+    engine = TransferEngine(settings, "ns", 0, l2)  # type: ignore[arg-type]
+    kv = [torch.randn(BLOCKS, HEADS, BS, DIM2) + i for i in range(LAYERS)]
+    engine.register(kv, BLOCKS, BS, list(range(LAYERS)))
+    return engine, kv
+
+
+def _store(engine: TransferEngine, kv: list[torch.Tensor]) -> tuple[StoreJob, list[L1Chunk]]:
+    """SAVES copied into fresh slots by a store job; the slots' bytes and check values checked."""
+    assert engine.slab is not None
+    before = [t.clone() for t in kv]
+    slots = [engine.slab.alloc(engine.chunk_key(item.chunk_hash)) for item in SAVES]
+    job = StoreJob(engine, SAVES, slots, spill=False)
+    for layer in range(LAYERS):
+        job.submit_layer(layer)
+    assert job.finish() is None
+    job.wait_copied()
+    for idx, (item, slot) in enumerate(zip(SAVES, slots, strict=True)):
+        assert slot is not None
+        for layer in range(LAYERS):
+            view = engine.slab.view(slot, layer)
+            assert torch.equal(view, before[layer][[b for _, b in item.blocks]])
+            assert job.sums[idx][layer] is not None and job.sums[idx][layer] == engine.l1_sum(view)
+    assert all(torch.equal(t, b) for t, b in zip(kv, before, strict=True))  # the paged layers untouched
+    return job, [L1Chunk(slot, job.sums[i]) for i, slot in enumerate(slots) if slot is not None]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("l1_checksum", ["full", "sampled"])
+def test_a_store_job_then_load_jobs_move_the_bytes_and_a_damaged_slot_fails(
+    l1_checksum: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvcache.transfer_engine.host_threads", lambda: threads)
+    engine, kv = _engine(l1_checksum=l1_checksum)
+    _, chunks = _store(engine, kv)
+    # Load both into other blocks, a's block 0 skipped (as if vLLM held it), layer by layer.
+    loads = [ChunkTransfer("a", [(1, 12)]), ChunkTransfer("b", [(0, 13), (1, 14)])]
+    job = LoadJob(engine, loads, list(chunks), [None, None])
+    job.submit(LAYERS)
+    for layer in range(LAYERS):
+        job.wait_layer(layer)
+    job.finish()
+    assert job.failed == [False, False]
+    assert all(torch.equal(t[12], t[4]) and torch.equal(t[13], t[9]) and torch.equal(t[14], t[7]) for t in kv)
+    # Zero layer 1 of b's slot (at rest in L1): b fails its check, a still loads.
+    assert engine.slab is not None
+    engine.slab.view(chunks[1].slot, 1).zero_()
+    again = [ChunkTransfer("a", [(0, 10)]), ChunkTransfer("b", [(0, 11)])]
+    job = LoadJob(engine, again, list(chunks), [None, None])
+    job.finish()  # no per-layer waits came: finish completes every layer
+    assert job.failed == [False, True] and job.reasons == ["", "integrity"]
+    assert all(torch.equal(t[10], t[3]) for t in kv)
+    engine.shutdown()
+
+
+def test_a_load_job_from_l2_stages_in_its_slot_and_fails_a_bad_or_missing_record() -> None:
+    l2 = _DictStore()
+    producer, kv_p = _engine()
+    store, _ = _store(producer, kv_p)
+    for idx, item in enumerate(SAVES):  # the records an L2 write would hold
+        for layer in range(LAYERS):
+            key = producer.storage_key(item.chunk_hash, layer)
+            l2.records[key] = codec.encode(key, store.target(idx, layer), store.sums[idx][layer])
+    consumer, kv_c = _engine(l2)
+    assert consumer.slab is not None
+    promo = consumer.slab.alloc(consumer.chunk_key("a"))
+    loads = [ChunkTransfer("a", [(0, 5), (1, 6)]), ChunkTransfer("b", [(0, 8), (1, 2)])]
+    job = LoadJob(consumer, loads, [None, None], [promo, None])
+    assert job.uses_l2
+    job.submit(1)  # L2 fetches go to the load threads, one layer ahead here
+    for layer in range(LAYERS):
+        job.wait_layer(layer)
+    job.finish()
+    assert job.failed == [False, False]
+    for tp, tc in zip(kv_p, kv_c, strict=True):
+        assert torch.equal(tc[5], tp[3]) and torch.equal(tc[6], tp[4])
+        assert torch.equal(tc[8], tp[9]) and torch.equal(tc[2], tp[7])
+    # a was staged in its slot, with the check values its L1 entry will carry.
+    assert promo is not None
+    assert job.promo_sums[0] == [consumer.l1_sum(consumer.slab.view(promo, layer)) for layer in range(LAYERS)]
+    assert job.promo_sums[0] == store.sums[0]
+    # One flipped payload byte in b's layer 2 record, and a's layer 1 record gone.
+    bad = bytearray(l2.records[producer.storage_key("b", 2)])
+    bad[-5] ^= 0x01
+    l2.records[producer.storage_key("b", 2)] = bytes(bad)
+    del l2.records[producer.storage_key("a", 1)]
+    job = LoadJob(consumer, loads, [None, None], [None, None])
+    job.submit(LAYERS)
+    job.finish()
+    assert job.failed == [True, True] and job.reasons == ["absent", "integrity"]
+    consumer.shutdown()
+    producer.shutdown()
