@@ -28,14 +28,14 @@ BODY = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}).encode()
 
 
 class RouterProcess:
-    def __init__(self, decode_url: str) -> None:
+    def __init__(self, decode_url: str, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
              "--port", str(self.port), "--decode", decode_url, "--health-interval-s", "0.5",
              "--idle-timeout-s", str(IDLE_S), "--body-timeout-s", str(BODY_S),
-             "--shutdown-timeout-s", "1"],
+             "--shutdown-timeout-s", "1", *extra],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -175,3 +175,33 @@ async def test_idle_connections_close_and_a_prompt_keep_alive_client_is_unaffect
 
 async def _append(into: list) -> None:
     into.append(1)
+
+
+async def test_connections_past_the_cap_are_refused_and_the_router_serves_again_below_it() -> None:
+    """Bounded in number, not only in time: one client holding idle sockets cannot take them all."""
+    decode = await StubBackend("d").start()
+    proc = RouterProcess(decode.url, "--max-connections", "4", "--idle-timeout-s", "30")
+    held: list[asyncio.StreamWriter] = []
+    try:
+        await proc.wait_ready()
+        await asyncio.sleep(0.3)  # the readiness probe's connection is closed by now
+        for _ in range(4):
+            _, writer = await asyncio.open_connection("127.0.0.1", proc.port)
+            held.append(writer)
+        await asyncio.sleep(0.3)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proc.port)
+        data, took = await _closed_after(reader, 5)
+        writer.close()
+        status_line, _, rest = data.partition(b"\r\n")
+        assert status_line == b"HTTP/1.1 503 Service Unavailable", data
+        assert b"Retry-After: 1" in rest and b"too_many_connections" in rest and took < 1, (data, took)
+        assert await _complete(proc) == 503  # any new client, until one of the held goes
+        held.pop().close()
+        await asyncio.sleep(0.3)
+        assert await _complete(proc) == 200
+        assert [path for path, _ in decode.received] == ["/v1/completions"]  # nothing refused was routed
+    finally:
+        for writer in held:
+            writer.close()
+        proc.stop()
+        await decode.close()

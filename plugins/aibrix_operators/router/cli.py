@@ -16,8 +16,7 @@ import logging
 import os
 import sys
 
-from aiohttp import web
-
+from . import serve
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK
 from .app import build_app
 from .backends import DECODE, PREFILL, parse_backend
@@ -103,10 +102,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefix blocks (512 bytes of prompt each) remembered per role, least recently used "
         "dropped first (default: %(default)s)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=int(env("ROUTER_MAX_CONNECTIONS", "4096")),
+        help="open client connections at most; past it a new one is answered 503 and closed, so one "
+        "client cannot hold every socket (default: %(default)s)",
+    )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
     if args.idle_timeout_s <= 0 or args.body_timeout_s <= 0:
         p.error("--idle-timeout-s and --body-timeout-s must be > 0")
+    if args.max_connections < 1:
+        p.error("--max-connections must be >= 1")
     if args.affinity_slack < 0 or args.affinity_entries < 1:
         p.error("--affinity-slack must be >= 0 and --affinity-entries >= 1")
     if not (args.decode or args.decode_dns):
@@ -133,19 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         loop_factory = uvloop.new_event_loop
     except ImportError:  # the image installs uvloop; a bare checkout may lack it
         loop_factory = None
-    # print() so a parent process can read the bound port (--port 0) from stdout.
     # aiohttp's keep-alive timer runs from the moment a connection opens and after every
     # answer, and closes the connection if no whole request has arrived by then: one bound for
-    # idle connections and for headers sent a byte at a time (slowloris).
-    web.run_app(
-        app, host=args.host, port=args.port, access_log=None, print=lambda s: print(s, flush=True),
-        keepalive_timeout=args.idle_timeout_s,
+    # idle connections and for headers sent a byte at a time (slowloris). --max-connections
+    # bounds how many there are (serve.py).
+    serve.run(
+        app, host=args.host, port=args.port, max_connections=args.max_connections,
+        announce=lambda s: print(s, flush=True), loop=loop_factory() if loop_factory else None,
+        access_log=None, keepalive_timeout=args.idle_timeout_s,
         # After an answer to a request whose body is unread (the 408 of a slow body), aiohttp
         # reads and drops the rest for this long before closing, so the client gets the answer
         # rather than a reset; 2 s, not aiohttp's 10, keeps the slow client's hold short.
         lingering_time=2.0,
         handle_signals=True, shutdown_timeout=args.shutdown_timeout_s,
-        loop=loop_factory() if loop_factory else None,
     )  # fmt: skip
     return 0
 
