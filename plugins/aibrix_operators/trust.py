@@ -26,6 +26,7 @@ the URL that was checked is byte for byte the URL that is sent.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,9 @@ def under_base(url: str, base: str) -> bool:
     return not prefix or path.rstrip("/") == prefix or path.startswith(prefix + "/")
 
 
+_PATH_CHARS = re.compile(r"[A-Za-z0-9._~/-]*")
+
+
 def endpoint_form_problem(url: str) -> str | None:
     """Why ``url`` is not a plain base URL (see the module docstring), or ``None``."""
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
@@ -182,7 +186,13 @@ def endpoint_form_problem(url: str) -> str | None:
                 "(the request path is appended to it)")  # fmt: skip
     if "%" in url or "\\" in url:
         return "percent-escapes and backslashes are not accepted; write the path plainly"
+    if not url.isascii():
+        return "non-ASCII characters are not accepted (write an IDN host in its xn-- form)"
     path = urlsplit(url).path
+    if not _PATH_CHARS.fullmatch(path):
+        # An allow-list, not more refusals: ';' (".. ;" is '..' to Tomcat, Jetty, Spring and
+        # gateways built on them) and every other sub-delimiter mean something to some server.
+        return "path characters other than letters, digits, '-', '.', '_', '~' and '/' are not accepted"
     if any(segment in (".", "..") for segment in path.split("/")):
         return "'.' and '..' path segments are not accepted"
     if "//" in path:

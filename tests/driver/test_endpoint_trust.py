@@ -82,7 +82,11 @@ def config(endpoint: str, **kw) -> DriverConfig:
 
 ESCAPES = ["/team-a/../admin", "/team-a/%2e%2e/admin", "/team-a/%2E%2E/admin", "/team-a/./../admin",
            "/team-a/..%2fadmin", "/team-a\\..\\admin", "/team-a//../admin", "/team-a/\t../admin",
-           "/team-a?x=", "/team-a#frag", "/team-a/ ../admin"]  # fmt: skip
+           "/team-a?x=", "/team-a#frag", "/team-a/ ../admin",
+           # Found by a second review: '..;' is '..' to Tomcat, Jetty, Spring and gateways built on
+           # them; non-ASCII is percent-encoded by the client, so what was checked is not sent.
+           "/team-a/..;/admin", "/team-a;/../admin", "/team-a/\uff0e\uff0e/admin", "/team-a/\u200b../admin",
+           "/team-a/\u00a0/admin", "/t\u0435am-a/admin"]  # fmt: skip
 
 
 @pytest.mark.parametrize("escape", ESCAPES)
