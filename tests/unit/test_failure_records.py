@@ -46,15 +46,15 @@ def test_storage_error_codes_follow_the_cause():
     def client_error(code: str) -> ClientError:
         return ClientError({"Error": {"Code": code, "Message": "m"}}, "GetObject")
 
-    assert storage_error_code(wrapped(FileNotFoundError(2, "no")), "input") == "input_not_found"
-    assert storage_error_code(wrapped(PermissionError(13, "no")), "input") == "input_access_denied"
-    assert storage_error_code(wrapped(client_error("NoSuchKey")), "input") == "input_not_found"
-    assert storage_error_code(wrapped(client_error("NoSuchBucket")), "input") == "input_not_found"
+    assert storage_error_code(wrapped(FileNotFoundError(2, "no"))) == "input_not_found"
+    assert storage_error_code(wrapped(PermissionError(13, "no"))) == "input_access_denied"
+    assert storage_error_code(wrapped(client_error("NoSuchKey"))) == "input_not_found"
+    assert storage_error_code(wrapped(client_error("NoSuchBucket"))) == "input_not_found"
     for denied in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        assert storage_error_code(wrapped(client_error(denied)), "input") == "input_access_denied"
-    assert storage_error_code(NoCredentialsError(), "input") == "input_access_denied"
-    assert storage_error_code(wrapped(client_error("SlowDown")), "input") == "input_unreadable"
-    assert storage_error_code(StorageError("x"), "output") == "output_error"
+        assert storage_error_code(wrapped(client_error(denied))) == "input_access_denied"
+    assert storage_error_code(NoCredentialsError()) == "input_access_denied"
+    assert storage_error_code(wrapped(client_error("SlowDown"))) == "input_unreadable"
+    assert storage_error_code(StorageError("x")) == "input_unreadable"
 
 
 def test_messages_are_one_bounded_line():

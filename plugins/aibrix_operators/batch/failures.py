@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.records import BatchObject
@@ -28,8 +29,8 @@ _S3_MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 MAX_MESSAGE_CHARS = 1000
 
 
-def storage_error_code(exc: BaseException, role: str) -> str:
-    """``{role}_not_found`` / ``{role}_access_denied`` / ``{role}_unreadable`` for a storage error.
+def storage_error_code(exc: BaseException) -> ValidationCode:
+    """``input_not_found`` / ``input_access_denied`` / ``input_unreadable`` for a failure to read the input.
 
     The cause is read from the exception chain (``StorageError`` wraps the OS or
     botocore error), so the code does not depend on message wording.
@@ -41,20 +42,20 @@ def storage_error_code(exc: BaseException, role: str) -> str:
         if isinstance(cur, FileNotFoundError | NotADirectoryError) or (
             isinstance(cur, OSError) and cur.errno in (errno.ENOENT, errno.ENOTDIR)
         ):
-            return f"{role}_not_found"
+            return ValidationCode.INPUT_NOT_FOUND
         if isinstance(cur, PermissionError):
-            return f"{role}_access_denied"
+            return ValidationCode.INPUT_ACCESS_DENIED
         response = getattr(cur, "response", None)
         if isinstance(response, dict):
             code = str(response.get("Error", {}).get("Code", ""))
             if code in _S3_DENIED:
-                return f"{role}_access_denied"
+                return ValidationCode.INPUT_ACCESS_DENIED
             if code in _S3_MISSING:
-                return f"{role}_not_found"
+                return ValidationCode.INPUT_NOT_FOUND
         if type(cur).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
-            return f"{role}_access_denied"
+            return ValidationCode.INPUT_ACCESS_DENIED
         cur = cur.__cause__ or cur.__context__
-    return f"{role}_unreadable" if role == "input" else f"{role}_error"
+    return ValidationCode.INPUT_UNREADABLE
 
 
 def one_line(message: str) -> str:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.batch.error_codes import RequestError, ValidationCode
 from aibrix_operators.batch.failures import (
     FailureRecord,
     error_list,
@@ -36,8 +37,6 @@ from aibrix_operators.batch.prefixes import (
     write_order,
 )
 from aibrix_operators.batch.records import (
-    CANCELLED_CODE,
-    EXPIRED_CODE,
     BatchObject,
     new_batch_id,
     parse_completion_window,
@@ -143,7 +142,7 @@ def validate_batch(
     try:
         window_s = parse_completion_window(completion_window)
     except ValueError as exc:
-        report.add_error(None, "invalid_completion_window", str(exc), "completion_window")
+        report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")
     else:
         try:
             with storage.open_read(input_uri) as stream:
@@ -156,10 +155,10 @@ def validate_batch(
                 raise
             report = ValidationReport(endpoint=endpoint)
             message = str(exc) if isinstance(exc, StorageError) else f"cannot read {input_uri}: {exc}"
-            report.add_error(None, storage_error_code(exc, "input"), one_line(message), "input_uri")
+            report.add_error(None, storage_error_code(exc), one_line(message), "input_uri")
     if expected_model and report.model and report.model != expected_model:
         report.add_error(
-            None, "mismatched_model",
+            None, ValidationCode.MISMATCHED_MODEL,
             f"the file's requests use model {report.model!r} but this batch was submitted for "
             f"{expected_model!r}; fix body.model or the model parameter", "model",
         )
@@ -254,8 +253,9 @@ def finalize_batch(
 
     summary = merge_results(storage, shards, segments_of, batch.output_uri)
     ended = int(time.time())
-    cancelled = summary.error_codes.get(CANCELLED_CODE, 0) > 0 or storage.exists(cancel_marker_uri(work))
-    expired = not cancelled and summary.error_codes.get(EXPIRED_CODE, 0) > 0
+    cancelled = (summary.error_codes.get(RequestError.BATCH_CANCELLED, 0) > 0
+                 or storage.exists(cancel_marker_uri(work)))
+    expired = not cancelled and summary.error_codes.get(RequestError.BATCH_EXPIRED, 0) > 0
     status = BatchStatus.CANCELLED if cancelled else BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED
     obj = BatchObject(
         id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,

@@ -16,6 +16,10 @@ cancel marker present and not yet terminal             cancelling
 
 Sources of truth, in order: ``batch.json`` once the run has published it (merge or
 record_failure), the task instances while it runs, the cancel marker for ``cancelling``.
+
+The error codes a batch can end with (in its error lines and in ``batch.json``'s ``errors``) are
+the lifecycle's too; they have their own module beside this one, ``batch/error_codes.py``
+(``RequestError``, ``ValidationCode``, ``BatchFailure``), imported from there.
 """
 
 from __future__ import annotations

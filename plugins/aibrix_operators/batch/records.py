@@ -18,10 +18,6 @@ SUPPORTED_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions
 DEFAULT_MAX_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
-# The error code of a request the completion window ended before it was answered.
-EXPIRED_CODE = "batch_expired"
-# The error code of a request left unanswered because its batch was cancelled.
-CANCELLED_CODE = "batch_cancelled"
 
 
 def new_request_record_id() -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.prefixes import PrefixSignatures
 from aibrix_operators.batch.records import (
@@ -187,7 +188,7 @@ def validate_stream(
     report = ValidationReport(endpoint=endpoint)
     err = _Collector(report, limits.max_reported_errors)
     if endpoint is not None and endpoint not in SUPPORTED_ENDPOINTS:
-        err.add(None, "invalid_endpoint",
+        err.add(None, ValidationCode.INVALID_ENDPOINT,
                 f"endpoint {echo(endpoint)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}",
                 "endpoint")
         return report
@@ -226,14 +227,14 @@ def validate_stream(
         line_no += 1
         total_bytes += size
         if total_bytes > max_file_bytes:
-            err.add(None, "file_too_large",
+            err.add(None, ValidationCode.FILE_TOO_LARGE,
                     f"file is larger than the limit of {limits.max_file_bytes} bytes "
                     f"(exceeded at line {line_no}); split it into several batches "
                     "or raise max_file_bytes", "max_file_bytes")
             break
         if too_long:
             blank.flush(err)
-            err.add(line_no, "line_too_large",
+            err.add(line_no, ValidationCode.LINE_TOO_LARGE,
                     f"line is {size} bytes, over the limit of {limits.max_line_bytes} bytes; "
                     "shorten the request or raise max_line_bytes")
             report.total_requests += 1
@@ -241,11 +242,11 @@ def validate_stream(
             continue
         last_had_newline = raw[-1] == 0x0A
         if line_no == 1 and raw.startswith(UTF8_BOM):
-            err.add(1, "bom_not_allowed",
+            err.add(1, ValidationCode.BOM_NOT_ALLOWED,
                     "file starts with a UTF-8 byte order mark; save it as UTF-8 without BOM")
             raw = raw[len(UTF8_BOM):]
         if raw.endswith(b"\r\n"):
-            err.add(line_no, "crlf_line_ending",
+            err.add(line_no, ValidationCode.CRLF_LINE_ENDING,
                     "line ends with CRLF (\\r\\n); use Unix line endings (\\n)")
         if not raw or raw.isspace():  # same as `not raw.strip()`, without copying the line
             blank.add(line_no, 1)
@@ -256,7 +257,7 @@ def validate_stream(
                     line_no += skipped
                     total_bytes += skipped
                     if total_bytes > max_file_bytes:
-                        err.add(None, "file_too_large",
+                        err.add(None, ValidationCode.FILE_TOO_LARGE,
                                 f"file is larger than the limit of {limits.max_file_bytes} bytes "
                                 f"(exceeded at line {line_no - (total_bytes - max_file_bytes) + 1}); "
                                 "split it into several batches or raise max_file_bytes",
@@ -268,7 +269,7 @@ def validate_stream(
         report.total_requests += 1
         report.last_request_line = line_no
         if report.total_requests > max_requests:
-            err.add(line_no, "too_many_requests",
+            err.add(line_no, ValidationCode.TOO_MANY_REQUESTS,
                     f"file has more than {limits.max_requests} requests; split it into several "
                     "batches or raise max_requests", "max_requests")
             break
@@ -284,7 +285,7 @@ def validate_stream(
 
     report.total_bytes = total_bytes
     if report.total_requests == 0 and report.error_count == 0:
-        err.add(None, "empty_file", "file holds no requests")
+        err.add(None, ValidationCode.EMPTY_FILE, "file holds no requests")
     _report_duplicates(id_hashes, id_lines, err, reopen, limits.max_line_bytes)
     return report
 
@@ -307,10 +308,10 @@ class _BlankRun:
         # Blank lines are fine at the end of a file; before a request they are a mistake,
         # reported once per run.
         if self.count == 1:
-            err.add(self.first, "blank_line", "blank line between requests; remove it")
+            err.add(self.first, ValidationCode.BLANK_LINE, "blank line between requests; remove it")
         elif self.count:
             last = self.first + self.count - 1
-            err.add(self.first, "blank_line",
+            err.add(self.first, ValidationCode.BLANK_LINE,
                     f"{self.count} blank lines (lines {self.first}-{last}) between requests; "
                     "remove them")
         self.count = 0
@@ -335,7 +336,7 @@ def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) ->
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as ude:
-            err.add(line_no, "invalid_encoding",
+            err.add(line_no, ValidationCode.INVALID_ENCODING,
                     f"line is not valid UTF-8 (byte offset {ude.start} in the line); "
                     "re-encode the file as UTF-8")
             return None
@@ -343,11 +344,11 @@ def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) ->
         if special is not None:
             err.add(line_no, *special)
         elif not had_newline:
-            err.add(line_no, "truncated_line",
+            err.add(line_no, ValidationCode.TRUNCATED_LINE,
                     f"last line is not complete JSON and has no final newline; the file looks "
                     f"truncated ({exc})")
         else:
-            err.add(line_no, "invalid_json_line", f"line is not valid JSON: {exc}")
+            err.add(line_no, ValidationCode.INVALID_JSON_LINE, f"line is not valid JSON: {exc}")
         return None
 
 
@@ -364,18 +365,18 @@ def _non_standard_json(raw: bytes, exc: ValueError) -> tuple[str, str] | None:
     """
     text = str(exc)
     if "surrogate" in text:
-        return ("lone_surrogate",
+        return (ValidationCode.LONE_SURROGATE,
                 "line has a \\ud800-\\udfff escape without its pair (a lone UTF-16 surrogate), "
                 "which is not a Unicode character; fix the text's encoding")
     if "infinity" in text:
-        return ("invalid_number",
+        return (ValidationCode.INVALID_NUMBER,
                 "line has a number too large for a 64-bit float; JSON numbers must be finite")
     pos = getattr(exc, "pos", None)
     if isinstance(pos, int):
         # ``pos`` counts characters; only the few around it are decoded.
         around = raw.decode("utf-8", errors="replace")[max(pos - 1, 0): pos + len("Infinity")]
         if any(around.startswith(w) or around[1:].startswith(w) for w in _NON_FINITE):
-            return ("invalid_number",
+            return (ValidationCode.INVALID_NUMBER,
                     "line has NaN or Infinity, which are not valid JSON numbers; "
                     "use null or a finite number")
     return None
@@ -396,52 +397,52 @@ def _check_record(
         ):
             return custom_id
     if not isinstance(record, dict):
-        err.add(line_no, "invalid_json_line",
+        err.add(line_no, ValidationCode.INVALID_JSON_LINE,
                 f"line is a JSON {type(record).__name__}, not an object with "
                 "custom_id, method, url and body")
         return None
     custom_id = record.get("custom_id")
     if custom_id is None:
-        err.add(line_no, "missing_required_parameter", "custom_id is missing", "custom_id")
+        err.add(line_no, ValidationCode.MISSING_REQUIRED_PARAMETER, "custom_id is missing", "custom_id")
     elif not isinstance(custom_id, str) or not custom_id:
-        err.add(line_no, "invalid_parameter_type", "custom_id must be a non-empty string",
+        err.add(line_no, ValidationCode.INVALID_PARAMETER_TYPE, "custom_id must be a non-empty string",
                 "custom_id")
         custom_id = None
 
     method = record.get("method")
     if method is None:
-        err.add(line_no, "missing_required_parameter", "method is missing", "method")
+        err.add(line_no, ValidationCode.MISSING_REQUIRED_PARAMETER, "method is missing", "method")
     elif method != "POST":
-        err.add(line_no, "invalid_method", f"method is {echo(method)}; only 'POST' is supported",
+        err.add(line_no, ValidationCode.INVALID_METHOD, f"method is {echo(method)}; only 'POST' is supported",
                 "method")
 
     url = record.get("url")
     if url is None:
-        err.add(line_no, "missing_required_parameter", "url is missing", "url")
+        err.add(line_no, ValidationCode.MISSING_REQUIRED_PARAMETER, "url is missing", "url")
     elif url not in SUPPORTED_ENDPOINTS:
-        err.add(line_no, "invalid_url",
+        err.add(line_no, ValidationCode.INVALID_URL,
                 f"url {echo(url)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", "url")
     elif report.endpoint is None:
         report.endpoint = url
     elif url != report.endpoint:
-        err.add(line_no, "mismatched_endpoint",
+        err.add(line_no, ValidationCode.MISMATCHED_ENDPOINT,
                 f"url {echo(url)} differs from the batch endpoint {echo(report.endpoint)}; "
                 "a batch targets one endpoint", "url")
 
     body = record.get("body")
     if body is None:
-        err.add(line_no, "missing_required_parameter", "body is missing", "body")
+        err.add(line_no, ValidationCode.MISSING_REQUIRED_PARAMETER, "body is missing", "body")
         return custom_id
     if not isinstance(body, dict):
-        err.add(line_no, "invalid_parameter_type", "body must be a JSON object", "body")
+        err.add(line_no, ValidationCode.INVALID_PARAMETER_TYPE, "body must be a JSON object", "body")
         return custom_id
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        err.add(line_no, "missing_model", "body.model must be a non-empty string", "body.model")
+        err.add(line_no, ValidationCode.MISSING_MODEL, "body.model must be a non-empty string", "body.model")
     elif report.model is None:
         report.model = model
     elif model != report.model:
-        err.add(line_no, "mismatched_model",
+        err.add(line_no, ValidationCode.MISMATCHED_MODEL,
                 f"body.model {echo(model)} differs from {echo(report.model)} (first seen earlier); "
                 "a batch uses one model", "body.model")
     return custom_id
@@ -463,7 +464,7 @@ def _report_duplicates(
         for n in sorted(suspects):
             h = suspects[n]
             if h in first_line:
-                err.add(n, "duplicate_custom_id",
+                err.add(n, ValidationCode.DUPLICATE_CUSTOM_ID,
                         f"custom_id is a duplicate of the one on line {first_line[h]}", "custom_id")
             else:
                 first_line[h] = n
@@ -472,7 +473,7 @@ def _report_duplicates(
     for n in sorted(ids_at):
         cid = ids_at[n]
         if cid in first_seen:
-            err.add(n, "duplicate_custom_id",
+            err.add(n, ValidationCode.DUPLICATE_CUSTOM_ID,
                     f"custom_id {echo(cid)} already appears on line {first_seen[cid]}; "
                     "custom_id must be unique in a batch", "custom_id")
         else:

@@ -7,6 +7,8 @@ import random
 
 import aiohttp
 
+from aibrix_operators.batch.error_codes import RequestError
+
 # 408 Request Timeout, 429 Too Many Requests and 5xx; every other 4xx is the request's
 # own fault and would fail the same way again.
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -33,12 +35,12 @@ def is_retryable_exception(exc: BaseException) -> bool:
     )
 
 
-def exception_code(exc: BaseException) -> str:
+def exception_code(exc: BaseException) -> RequestError:
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return "timeout"
+        return RequestError.TIMEOUT
     if isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
-        return "connection_error"
-    return "request_failed"
+        return RequestError.CONNECTION_ERROR
+    return RequestError.REQUEST_FAILED
 
 
 def backoff_delay(

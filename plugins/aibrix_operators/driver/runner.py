@@ -21,15 +21,10 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.error_codes import RequestError, http_code
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
-from aibrix_operators.batch.records import (
-    CANCELLED_CODE,
-    EXPIRED_CODE,
-    Usage,
-    error_record,
-    success_record,
-)
+from aibrix_operators.batch.records import Usage, error_record, success_record
 from aibrix_operators.driver.cache_salt import salted_body
 from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
@@ -276,7 +271,7 @@ def _keep_answer(record: dict[str, Any], line: dict[str, Any], counters: _Counte
     try:
         data = dumps(line)
     except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
-        line = error_record(record["custom_id"], "invalid_response_body",
+        line = error_record(record["custom_id"], RequestError.INVALID_RESPONSE_BODY,
                             f"the server's answer cannot be stored as JSON: {exc}")
         data = dumps(line)
     if line["error"] is None:
@@ -437,7 +432,7 @@ class _Sender:
             if not isinstance(body, dict):
                 # A proxy's page or a half-written answer: the infrastructure's, worth a retry.
                 return _Failure(
-                    "invalid_response_body",
+                    RequestError.INVALID_RESPONSE_BODY,
                     f"server answered {status} with a body that is not a JSON object: {raw[:200]!r}",
                     status, request_id, raw[:2000].decode("utf-8", "replace"),
                 )
@@ -447,7 +442,7 @@ class _Sender:
         if 300 <= status < 400:
             location = str(headers.get("location", ""))[:200]
             return error_record(
-                custom_id, "endpoint_redirected",
+                custom_id, RequestError.ENDPOINT_REDIRECTED,
                 f"the endpoint answered HTTP {status}, a redirect to {location!r}; redirects are not "
                 "followed (requests go only to the allow-listed endpoint): point endpoint at the server "
                 "that answers", status, request_id, body,
@@ -471,14 +466,14 @@ def _expired(custom_id: str, last: _Failure | None) -> dict[str, Any]:
     message = "the batch's completion window ended before this request was answered"
     if last is not None:
         message += f"; its last attempt failed with {last.code}: {last.message}"
-    return error_record(custom_id, EXPIRED_CODE, message)
+    return error_record(custom_id, RequestError.BATCH_EXPIRED, message)
 
 
 def _cancelled(custom_id: str, last: _Failure | None) -> dict[str, Any]:
     message = "the batch was cancelled before this request was answered"
     if last is not None:
         message += f"; its last attempt failed with {last.code}: {last.message}"
-    return error_record(custom_id, CANCELLED_CODE, message)
+    return error_record(custom_id, RequestError.BATCH_CANCELLED, message)
 
 
 def _describe(exc: BaseException) -> str:
@@ -501,8 +496,8 @@ def _error_of(status: int, body: Any) -> tuple[str, str]:
     """OpenAI-style servers put ``{"error": {"code", "message"}}`` in error bodies; use it."""
     detail = body.get("error") if isinstance(body, dict) else None
     if isinstance(detail, dict):
-        code = detail.get("code") or detail.get("type") or f"http_{status}"
+        code = detail.get("code") or detail.get("type") or http_code(status)
         message = detail.get("message") or f"HTTP {status}"
     else:
-        code, message = f"http_{status}", f"HTTP {status}: {str(body)[:500]}"
+        code, message = http_code(status), f"HTTP {status}: {str(body)[:500]}"
     return str(code)[:200], str(message)[:2000]

@@ -15,22 +15,35 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.driver_pods.spec import CONTAINER_NAME
 
 # Exit codes of ``python -m aibrix_operators.driver.cli`` (see its --help):
 # code -> (error code, retryable, what it means). 0 and 1 mean the shard finished.
-DRIVER_EXITS: dict[int, tuple[str, bool, str]] = {
-    2: ("driver_bad_arguments", False, "the driver rejected its arguments (a bug in the pod spec)"),
+DRIVER_EXITS: dict[int, tuple[BatchFailure, bool, str]] = {
+    2: (
+        BatchFailure.DRIVER_BAD_ARGUMENTS,
+        False,
+        "the driver rejected its arguments (a bug in the pod spec)",
+    ),
     3: (
-        "endpoint_unavailable",
+        BatchFailure.ENDPOINT_UNAVAILABLE,
         True,
         "the inference endpoint was unavailable; unanswered requests were "
         "not recorded and the retry sends them",
     ),
-    4: ("model_not_served", False, "the endpoint does not serve the batch's model"),
-    5: ("storage_error", True, "reading the shard or writing checkpoints failed; the retry resumes"),
-    6: ("input_changed", False, "the shard changed after it was planned; re-split the batch"),
-    70: ("driver_internal_error", True, "the driver hit an internal error (see the pod log above)"),
+    4: (BatchFailure.MODEL_NOT_SERVED, False, "the endpoint does not serve the batch's model"),
+    5: (
+        BatchFailure.STORAGE_ERROR,
+        True,
+        "reading the shard or writing checkpoints failed; the retry resumes",
+    ),
+    6: (BatchFailure.INPUT_CHANGED, False, "the shard changed after it was planned; re-split the batch"),
+    70: (
+        BatchFailure.DRIVER_INTERNAL_ERROR,
+        True,
+        "the driver hit an internal error (see the pod log above)",
+    ),
 }
 _IMAGE_PULL = (
     "ErrImagePull",
@@ -88,7 +101,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
         return PodVerdict(
             None,
             DriverPodFailure(
-                "driver_pod_lost",
+                BatchFailure.DRIVER_POD_LOST,
                 f"driver pod {pod_name} disappeared before it finished (deleted, or its node "
                 "was lost); the retry resumes from the checkpoints",
                 True,
@@ -104,7 +117,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
 
     if reason == "Evicted":
         return _fail(
-            "driver_pod_evicted",
+            BatchFailure.DRIVER_POD_EVICTED,
             f"driver pod {pod_name} was evicted: {message or 'node pressure'}; "
             "the retry resumes from the checkpoints",
             True,
@@ -112,7 +125,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
         )
     if reason == "DeadlineExceeded":
         return _fail(
-            "driver_pod_deadline_exceeded",
+            BatchFailure.DRIVER_POD_DEADLINE_EXCEEDED,
             f"driver pod {pod_name} ran past its activeDeadlineSeconds (the completion window plus "
             "grace); the retry records the requests still unanswered as batch_expired",
             True,
@@ -120,7 +133,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
         )
     if waiting.get("reason") in _IMAGE_PULL:
         return _fail(
-            "driver_image_pull_failed",
+            BatchFailure.DRIVER_IMAGE_PULL_FAILED,
             f"driver pod {pod_name} cannot pull its image {container_status(pod).get('image')!r} "
             f"({waiting['reason']}: {_short(waiting.get('message'))}); fix [aibrix_batch] driver_image "
             "or the registry credentials",
@@ -129,7 +142,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
         )
     if waiting.get("reason") in _CONFIG:
         return _fail(
-            "driver_pod_config_error",
+            BatchFailure.DRIVER_POD_CONFIG_ERROR,
             f"driver pod {pod_name} cannot start its container ({waiting['reason']}: "
             f"{_short(waiting.get('message'))}); check the Secrets named in [aibrix_batch]",
             False,
@@ -138,7 +151,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             return _fail(
-                "driver_pod_unschedulable",
+                BatchFailure.DRIVER_POD_UNSCHEDULABLE,
                 f"driver pod {pod_name} could not be scheduled ({cond.get('reason')}: "
                 f"{_short(cond.get('message'))}); the retry tries again",
                 True,
@@ -146,7 +159,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
             )
     if terminated.get("reason") == "OOMKilled":
         return _fail(
-            "driver_pod_oom_killed",
+            BatchFailure.DRIVER_POD_OOM_KILLED,
             f"driver pod {pod_name} was OOM-killed; raise [aibrix_batch] "
             "driver_memory_limit; the retry resumes from the checkpoints",
             True,
@@ -156,7 +169,7 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
         outcome = parse_outcome(log_lines)
         if outcome is None:
             return _fail(
-                "driver_outcome_missing",
+                BatchFailure.DRIVER_OUTCOME_MISSING,
                 f"driver pod {pod_name} finished (exit {exit_code}) but its outcome line could not be "
                 "read from its log; the retry re-reads the finished shard",
                 True,
@@ -176,14 +189,14 @@ def judge_pod(pod: dict[str, Any] | None, log_lines: list[str], pod_name: str) -
     if exit_code is not None:
         signal_note = f" (signal {exit_code - 128})" if exit_code > 128 else ""
         return _fail(
-            "driver_pod_failed",
+            BatchFailure.DRIVER_POD_FAILED,
             f"driver pod {pod_name} exited {exit_code}{signal_note}; the retry resumes from the checkpoints",
             True,
             exit_code,
         )
     phase = status.get("phase") or "Unknown"
     return _fail(
-        "driver_pod_failed",
+        BatchFailure.DRIVER_POD_FAILED,
         f"driver pod {pod_name} did not finish (phase {phase}"
         + (f": {_short(message)}" if message else "")
         + ")",

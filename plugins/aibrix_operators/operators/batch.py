@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.failures import (
     FailureRecord,
     error_list,
@@ -131,15 +132,15 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         except TrustViolation as exc:
             for line in describe(policy):
                 log.info("%s", line)
-            self._fail(context, batch_id, metadata, "refused_by_policy", str(exc), output_refusal)
+            self._fail(context, batch_id, metadata, BatchFailure.REFUSED_BY_POLICY, str(exc), output_refusal)
         try:
             storage = self.hook.storage_for(self.input_uri)
             out_storage = self.hook.storage_for(self.output_uri)
         except Exception as exc:  # noqa: BLE001 - e.g. an unknown connection or URI scheme
-            self._fail(context, batch_id, metadata, "invalid_storage", f"{type(exc).__name__}: {exc}",
-                       "the output's storage could not be opened")
+            self._fail(context, batch_id, metadata, BatchFailure.INVALID_STORAGE,
+                       f"{type(exc).__name__}: {exc}", "the output's storage could not be opened")
         if type(storage) is not type(out_storage):
-            self._fail(context, batch_id, metadata, "invalid_output_uri",
+            self._fail(context, batch_id, metadata, BatchFailure.INVALID_OUTPUT_URI,
                        f"input {self.input_uri} and output {self.output_uri} must be on the same kind "
                        "of storage (both local or both s3://)", None, out_storage)
         limits = ValidationLimits(
@@ -363,7 +364,7 @@ class RecordBatchFailureOperator(UsesBatchStorage, BaseOperator):
         # The steps' own errors (model_not_served, storage_error, ...) when they left them.
         errors = collect_step_errors(ti, self.step_task_ids)
         if not errors:
-            record = record_batch_failure(storage, batch, "batch_run_failed", message)
+            record = record_batch_failure(storage, batch, BatchFailure.BATCH_RUN_FAILED, message)
         else:
             obj = failed_batch(
                 batch_id=batch.batch_id, input_uri=batch.input_uri,
@@ -391,7 +392,7 @@ class RecordBatchFailureOperator(UsesBatchStorage, BaseOperator):
             record = FailureRecord(None, False, refusal)
         else:
             obj = failed_batch(batch_id=new_batch_id(), input_uri=self.input_uri or "",
-                               errors=error_list("batch_run_failed", message))
+                               errors=error_list(BatchFailure.BATCH_RUN_FAILED, message))
             storage = self.hook.storage_for(self.output_uri)
             record = publish_failure(storage, self.output_uri, obj)
         log.error("%s", record.describe())

@@ -55,6 +55,7 @@ from kubernetes.client import models as k8s
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
+from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.driver_pods.outcome import DriverPodFailure, PodVerdict, container_status, judge_pod
 from aibrix_operators.driver_pods.spec import CONTAINER_NAME, DriverPod, DriverPodSettings
 
@@ -435,19 +436,20 @@ def api_failure(exc: ApiException, doing: str) -> DriverPodFailure:
     reason = f"{exc.status} {exc.reason}".strip()
     if exc.status in (401, 403):
         return DriverPodFailure(
-            "kubernetes_forbidden",
+            BatchFailure.KUBERNETES_FORBIDDEN,
             f"the Kubernetes API refused {doing} ({reason}); the identity of the Airflow kubernetes "
             "connection needs create/get/list/delete on pods and get on pods/log in that namespace",
             retryable=False,
         )
     return DriverPodFailure(
-        "kubernetes_api_error", f"the Kubernetes API failed {doing} ({reason})", retryable=True
+        BatchFailure.KUBERNETES_API_ERROR, f"the Kubernetes API failed {doing} ({reason})", retryable=True
     )
 
 
 def unreachable(exc: BaseException, doing: str) -> DriverPodFailure:
     return DriverPodFailure(
-        "kubernetes_api_error", f"the Kubernetes API failed {doing} ({_reason(exc)})", retryable=True
+        BatchFailure.KUBERNETES_API_ERROR, f"the Kubernetes API failed {doing} ({_reason(exc)})",
+        retryable=True,
     )
 
 

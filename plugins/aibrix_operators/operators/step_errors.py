@@ -13,20 +13,21 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.failures import one_line
 
 STEP_ERROR_KEY = "step_error"
 # Exception class names (matched by name along the cause chain, so this module needs
 # none of the modules that define them) → the code a user sees in batch.json.
 _CODES = {
-    "ModelNotServed": "model_not_served",
-    "EndpointUnavailable": "endpoint_unavailable",
-    "EndpointOutage": "endpoint_unavailable",
-    "CheckpointWriteFailed": "storage_error",
-    "StorageError": "storage_error",
-    "ExactlyOnceViolation": "exactly_once_violation",
-    "ShardChanged": "input_changed",
-    "TrustViolation": "refused_by_policy",
+    "ModelNotServed": BatchFailure.MODEL_NOT_SERVED,
+    "EndpointUnavailable": BatchFailure.ENDPOINT_UNAVAILABLE,
+    "EndpointOutage": BatchFailure.ENDPOINT_UNAVAILABLE,
+    "CheckpointWriteFailed": BatchFailure.STORAGE_ERROR,
+    "StorageError": BatchFailure.STORAGE_ERROR,
+    "ExactlyOnceViolation": BatchFailure.EXACTLY_ONCE_VIOLATION,
+    "ShardChanged": BatchFailure.INPUT_CHANGED,
+    "TrustViolation": BatchFailure.REFUSED_BY_POLICY,
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,12 +44,18 @@ def step_error_code(exc: BaseException, step: str) -> str:
             if cls.__name__ in _CODES:
                 return _CODES[cls.__name__]
         cur = cur.__cause__ or cur.__context__
-    return f"{step}_failed"
+    return step_failed_code(step)
+
+
+def step_failed_code(step: str) -> BatchFailure:
+    """``<step>_failed``: what a step's failure without a code of its own is recorded as."""
+    return BatchFailure(f"{step}_failed")
 
 
 def records_step_error(step: str) -> Callable[[F], F]:
     """Decorate an operator's ``execute(self, context)`` (or a resume method after a deferral) to
     publish its failure for ``record_failure``."""
+    step_failed_code(step)  # a ValueError at import for a step whose code is not in BatchFailure
 
     def wrap(execute: F) -> F:
         @functools.wraps(execute)

@@ -1,0 +1,159 @@
+"""Every error code a batch's user can see, in one place (core: no Airflow).
+
+Codes end up in three places, one enum each:
+
+* ``RequestError``: ``error.code`` of a line in ``errors.jsonl`` (one request, written by the driver).
+* ``ValidationCode``: ``errors.data[].code`` of a ``batch.json`` that failed in validation (with
+  the line number when a line is at fault), also the Batch API's ``errors``.
+* ``BatchFailure``: ``errors.data[].code`` of a ``batch.json`` that failed for the batch as a whole
+  (a refused trigger, a step after validation, a driver pod), also the Batch API's ``errors``.
+
+The members are ``str`` (``StrEnum``): JSON, XCom and log lines get the plain value. Each says when it
+is used and whether trying again can help. ``docs/failure-semantics.md#error-codes`` has the same list
+as a table and ``tests/unit/test_error_codes.py`` keeps the two, and the code, in step: no module
+spells a code as a string literal. Not here, on purpose: a server's own error codes, which the driver
+copies into error lines as they are (``http_code`` when the body has none), and the Batch API's HTTP
+request errors (``invalid_api_key``, ``invalid_file_id``, ...: ``batch_api/``), which belong to the
+API's requests, not to a batch.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RequestError(StrEnum):
+    """``error.code`` of an ``errors.jsonl`` line: a request that ended without a 2xx answer."""
+
+    # The completion window ended before the request was answered; retry: only in a new batch.
+    BATCH_EXPIRED = "batch_expired"
+    # The batch was cancelled before the request was answered; retry: resubmit it if still wanted.
+    BATCH_CANCELLED = "batch_cancelled"
+    # Every charged attempt timed out while the endpoint answered others; retry: may help.
+    TIMEOUT = "timeout"
+    # Every charged attempt lost its connection while the endpoint answered others; retry: may help.
+    CONNECTION_ERROR = "connection_error"
+    # The request could not be sent at all (neither the network nor the server: e.g. its body); retry: no.
+    REQUEST_FAILED = "request_failed"
+    # A 2xx whose body is not a JSON object (each charged attempt), or cannot be stored; retry: may help.
+    INVALID_RESPONSE_BODY = "invalid_response_body"
+    # The endpoint answered 3xx; redirects are not followed; retry: no, point the endpoint at the server.
+    ENDPOINT_REDIRECTED = "endpoint_redirected"
+
+
+class ValidationCode(StrEnum):
+    """A batch that failed validation, before any inference; retry: no, unless said otherwise."""
+
+    # The batch's endpoint is not one of the supported ones; retry: no, fix the endpoint.
+    INVALID_ENDPOINT = "invalid_endpoint"
+    # The file is over max_file_bytes; retry: no, split the file or raise the limit.
+    FILE_TOO_LARGE = "file_too_large"
+    # A line is over max_line_bytes; retry: no, shorten it or raise the limit.
+    LINE_TOO_LARGE = "line_too_large"
+    # The file starts with a UTF-8 byte order mark; retry: no, save it without one.
+    BOM_NOT_ALLOWED = "bom_not_allowed"
+    # A line ends with \r\n; retry: no, use \n.
+    CRLF_LINE_ENDING = "crlf_line_ending"
+    # Blank line(s) between requests (one error per run of them); retry: no, remove them.
+    BLANK_LINE = "blank_line"
+    # The file has more than max_requests requests; retry: no, split it or raise the limit.
+    TOO_MANY_REQUESTS = "too_many_requests"
+    # The file holds no request; retry: no.
+    EMPTY_FILE = "empty_file"
+    # A line is not valid UTF-8; retry: no, re-encode the file.
+    INVALID_ENCODING = "invalid_encoding"
+    # The last line is incomplete JSON without a final newline (a cut-off upload); retry: no, upload again.
+    TRUNCATED_LINE = "truncated_line"
+    # A line is not JSON, or not a JSON object; retry: no, fix the line.
+    INVALID_JSON_LINE = "invalid_json_line"
+    # A line has an unpaired \ud800-\udfff escape; retry: no, fix the text's encoding.
+    LONE_SURROGATE = "lone_surrogate"
+    # A line has NaN, Infinity or a number too large for a float; retry: no.
+    INVALID_NUMBER = "invalid_number"
+    # custom_id, method, url or body is missing (param names it); retry: no.
+    MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    # custom_id is not a non-empty string, or body not an object (param names it); retry: no.
+    INVALID_PARAMETER_TYPE = "invalid_parameter_type"
+    # A line's method is not POST; retry: no.
+    INVALID_METHOD = "invalid_method"
+    # A line's url is not a supported endpoint; retry: no.
+    INVALID_URL = "invalid_url"
+    # A line's url differs from the batch's endpoint; retry: no, one endpoint per batch.
+    MISMATCHED_ENDPOINT = "mismatched_endpoint"
+    # A line's body.model is missing or not a non-empty string; retry: no.
+    MISSING_MODEL = "missing_model"
+    # A line's body.model differs from the first line's, or from the model submitted; retry: no.
+    MISMATCHED_MODEL = "mismatched_model"
+    # A custom_id already appears on an earlier line; retry: no, ids are unique in a batch.
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+    # completion_window is not a positive duration like 24h; retry: no.
+    INVALID_COMPLETION_WINDOW = "invalid_completion_window"
+    # The input file does not exist; retry: no, fix input_uri.
+    INPUT_NOT_FOUND = "input_not_found"
+    # These credentials may not read the input; retry: no, fix the connection or the grant.
+    INPUT_ACCESS_DENIED = "input_access_denied"
+    # Reading the input failed otherwise (e.g. a read broke off); retry: a new run may help.
+    INPUT_UNREADABLE = "input_unreadable"
+
+
+class BatchFailure(StrEnum):
+    """A batch that failed as a whole: its ``batch.json`` says ``failed`` with one of these."""
+
+    # The allow-list refuses the trigger (a URI, connection, endpoint, namespace...); retry: no.
+    REFUSED_BY_POLICY = "refused_by_policy"
+    # The input's or output's storage could not be opened (unknown connection or scheme); retry: no.
+    INVALID_STORAGE = "invalid_storage"
+    # Input and output are on different kinds of storage; retry: no.
+    INVALID_OUTPUT_URI = "invalid_output_uri"
+    # The run failed and no step said why (see the task logs); retry: clearing failed tasks resumes.
+    BATCH_RUN_FAILED = "batch_run_failed"
+    # The endpoint does not serve the batch's model; retry: no, fix the model or the endpoint.
+    MODEL_NOT_SERVED = "model_not_served"
+    # The endpoint was unreachable at the preflight check or past outage_budget_s; retry: yes, resumes.
+    ENDPOINT_UNAVAILABLE = "endpoint_unavailable"
+    # Reading a shard or writing checkpoints or outputs kept failing; retry: yes, resumes.
+    STORAGE_ERROR = "storage_error"
+    # Merge found an id missing or unknown (every id once, exactly); retry: no, a person must look.
+    EXACTLY_ONCE_VIOLATION = "exactly_once_violation"
+    # A shard changed after it was planned; retry: no, re-split (clear split).
+    INPUT_CHANGED = "input_changed"
+    # split raised something without a code of its own; retry: may help (see its log).
+    SPLIT_FAILED = "split_failed"
+    # dispatch raised something without a code of its own; retry: may help (see its log).
+    DISPATCH_FAILED = "dispatch_failed"
+    # merge raised something without a code of its own; retry: may help (see its log).
+    MERGE_FAILED = "merge_failed"
+    # The driver CLI rejected its arguments (exit 2; a bug in the pod spec); retry: no.
+    DRIVER_BAD_ARGUMENTS = "driver_bad_arguments"
+    # The driver hit an internal error (exit 70); retry: yes, resumes.
+    DRIVER_INTERNAL_ERROR = "driver_internal_error"
+    # The driver pod vanished before it finished (deleted, node lost); retry: yes, resumes.
+    DRIVER_POD_LOST = "driver_pod_lost"
+    # The driver pod was evicted; retry: yes, resumes.
+    DRIVER_POD_EVICTED = "driver_pod_evicted"
+    # The driver pod ran past activeDeadlineSeconds; retry: yes, it records the expiry.
+    DRIVER_POD_DEADLINE_EXCEEDED = "driver_pod_deadline_exceeded"
+    # The driver image cannot be pulled; retry: no, fix driver_image or the registry credentials.
+    DRIVER_IMAGE_PULL_FAILED = "driver_image_pull_failed"
+    # The driver container cannot start (a Secret or key missing); retry: no.
+    DRIVER_POD_CONFIG_ERROR = "driver_pod_config_error"
+    # The driver pod was not scheduled in time; retry: yes.
+    DRIVER_POD_UNSCHEDULABLE = "driver_pod_unschedulable"
+    # The driver container was OOM-killed; retry: yes, resumes (raise driver_memory_limit).
+    DRIVER_POD_OOM_KILLED = "driver_pod_oom_killed"
+    # The driver finished but its outcome line was not in its log; retry: yes, re-reads the shard.
+    DRIVER_OUTCOME_MISSING = "driver_outcome_missing"
+    # The driver pod failed otherwise (a signal, an unknown exit, no end); retry: yes, resumes.
+    DRIVER_POD_FAILED = "driver_pod_failed"
+    # The Kubernetes API answered 401/403; retry: no, the identity needs the pod rights.
+    KUBERNETES_FORBIDDEN = "kubernetes_forbidden"
+    # Another Kubernetes API failure (after the provider's own retries); retry: yes.
+    KUBERNETES_API_ERROR = "kubernetes_api_error"
+
+
+ALL_CODES: tuple[type[StrEnum], ...] = (RequestError, ValidationCode, BatchFailure)
+
+
+def http_code(status: int) -> str:
+    """The error line's code for an HTTP error whose body names no code or type of its own."""
+    return f"http_{status}"

@@ -1,0 +1,68 @@
+"""The batch's error codes have one home (batch/error_codes.py), one table in the docs, and no copies."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from aibrix_operators.batch.error_codes import ALL_CODES, BatchFailure, RequestError, ValidationCode
+
+REPO = Path(__file__).resolve().parents[2]
+HOME = REPO / "plugins" / "aibrix_operators" / "batch" / "error_codes.py"
+TABLE = REPO / "docs" / "failure-semantics.md"
+CODES = {str(m): type(m).__name__ for enum in ALL_CODES for m in enum}
+# The same word in another vocabulary, where it stays a literal: (file under plugins/aibrix_operators/,
+# value). Anything not listed here fails the scan.
+ELSEWHERE = {
+    # The Batch API's HTTP request errors (an upload or create request, before any batch exists).
+    ("batch_api/upload.py", ValidationCode.FILE_TOO_LARGE),
+    ("batch_api/upload.py", ValidationCode.MISSING_REQUIRED_PARAMETER),
+    ("batch_api/upload.py", ValidationCode.EMPTY_FILE),
+    ("batch_api/app.py", ValidationCode.FILE_TOO_LARGE),
+    ("batch_api/batches.py", ValidationCode.INVALID_COMPLETION_WINDOW),
+    ("batch_api/batches.py", ValidationCode.INVALID_ENDPOINT),
+    # The batch's code, written by the API for a run that ended without a batch.json; status.py is
+    # being changed by someone else: it should use BatchFailure.BATCH_RUN_FAILED.
+    ("batch_api/status.py", BatchFailure.BATCH_RUN_FAILED),
+    # "timeout" is also a trigger event's status and a router metrics label.
+    ("operators/driver_pod.py", RequestError.TIMEOUT),
+    ("triggers/dropzone.py", RequestError.TIMEOUT),
+    ("router/proxy.py", RequestError.TIMEOUT),
+}
+
+
+def test_codes_are_spelled_only_in_error_codes() -> None:
+    package = REPO / "plugins" / "aibrix_operators"
+    found = []
+    for path in [*(REPO / "plugins").rglob("*.py"), *(REPO / "dags").rglob("*.py")]:
+        if path == HOME:
+            continue
+        where = path.relative_to(package).as_posix() if path.is_relative_to(package) else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CODES:
+                if (where, node.value) not in ELSEWHERE:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert found == []
+
+
+def test_each_code_is_one_word_in_one_enum_with_its_comment() -> None:
+    members = [m for enum in ALL_CODES for m in enum]
+    assert len(CODES) == len(members)  # no value in two enums
+    assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", m) for m in members)
+    lines = HOME.read_text().splitlines()
+    for node in ast.walk(ast.parse(HOME.read_text())):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.Assign):
+                    comment = lines[item.lineno - 2].strip()
+                    assert comment.startswith("#") and "retry" in comment, (node.name, item.lineno)
+
+
+def test_the_docs_table_lists_every_code_and_only_real_ones() -> None:
+    text = TABLE.read_text()
+    section = text.split("\n## Error codes\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `(\w+)` \|", section, flags=re.M)
+    documented = dict(rows)
+    assert len(rows) == len(documented)  # each code once
+    assert documented == CODES
