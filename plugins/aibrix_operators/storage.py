@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,10 +65,20 @@ class LocalStorage:
         return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
 
     def open_read(self, uri: str) -> BinaryIO:
+        # O_NONBLOCK and a regular file only: a FIFO (or a device) at an input's path would
+        # block the task forever, or stream without end; it is a clear error instead.
         try:
-            return open(self._path(uri), "rb", buffering=READ_BUFFER_BYTES)
+            fd = os.open(self._path(uri), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise StorageError(f"cannot read {uri}: {exc.strerror or exc}") from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageError(f"cannot read {uri}: not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering=READ_BUFFER_BYTES)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @contextmanager
     def open_write(self, uri: str) -> Iterator[BinaryIO]:

@@ -294,3 +294,27 @@ def test_an_oversize_redis_value_is_refused_without_reading_it_whole(redis_serve
     assert store.get("kv:ns:r0:cc:L0", max_bytes=bound) is None  # absent stays absent
     out, _ = codec.decode(store.get("kv:ns:r0:aa:L0", max_bytes=bound), _expected("kv:ns:r0:aa:L0", t))
     assert torch.equal(out, t)
+
+
+def test_a_link_at_a_fan_out_directory_leads_no_record_out_of_the_tier(tmp_path) -> None:
+    """A second review's variant of finding 6: O_NOFOLLOW covers only the last component, so a
+    link planted at ``<root>/ab`` sent writes (prompt-derived records) elsewhere and served
+    reads from there. Every access is now relative to the fan-out directory, opened unfollowed."""
+    from kvcache.tiers import RecordRefused
+
+    root, elsewhere = tmp_path / "l2", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = FilesystemStore(str(root))
+    t = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    store.put("kv:ns:r0:cd:L0", codec.encode("kv:ns:r0:cd:L0", t))  # a legitimate record
+    (root / "ab").symlink_to(elsewhere)
+    (elsewhere / "kv_ns_r0_ab_L0").write_bytes(codec.encode("kv:ns:r0:ab:L0", t))  # planted
+    with pytest.raises(TierUnavailable):
+        store.put("kv:ns:r0:ab:L1", codec.encode("kv:ns:r0:ab:L1", t))
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["kv_ns_r0_ab_L0"]  # nothing written there
+    with pytest.raises(RecordRefused, match="not a directory of this tier"):
+        store.get("kv:ns:r0:ab:L0")
+    assert store.present([["kv:ns:r0:ab:L0"], ["kv:ns:r0:cd:L0"]]) == [False, True]
+    out, _ = codec.decode(store.get("kv:ns:r0:cd:L0"), _expected("kv:ns:r0:cd:L0", t))
+    assert torch.equal(out, t)
+    store.close()
