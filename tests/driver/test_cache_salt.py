@@ -106,16 +106,24 @@ def test_tenant_salts_are_stable_distinct_and_keyed() -> None:
     assert "alpha" not in tenant_cache_salt(key, "alpha")
 
 
-def test_the_salt_key_comes_from_the_variable_or_a_random_one(caplog) -> None:
-    assert load_cache_salt_key(None, lambda: "from-variable") == b"from-variable"
-    assert load_cache_salt_key("off", lambda: "from-variable") is None
-    one, two = load_cache_salt_key("per-tenant", lambda: None), load_cache_salt_key(None, lambda: "")
-    assert one != two and len(one) == len(two) == 32  # never a fixed fallback
+def test_the_salt_key_comes_from_the_variable_or_is_stored_there(caplog) -> None:
+    def never(_: str) -> None:
+        pytest.fail("the Variable was written although it is set")
+
+    assert load_cache_salt_key(None, lambda: "from-variable", never) == b"from-variable"
+    assert load_cache_salt_key("off", lambda: "from-variable", never) is None
+    # Unset: a random key is stored in the Variable, where the workers read it to verify claims.
+    stores: list[dict[str, str]] = [{}, {}]
+    one, two = (load_cache_salt_key("per-tenant", lambda s=s: s.get("v"), lambda v, s=s: s.update(v=v))
+                for s in stores)
+    assert one != two and one == stores[0]["v"].encode() and len(one) == 64  # never a fixed fallback
     assert "aibrix_batch_cache_salt_key is not set" in caplog.text
 
     def unreadable() -> str:
         raise RuntimeError("secrets backend down")
 
-    assert len(load_cache_salt_key(None, unreadable)) == 32  # isolation does not fail open
+    # Unreadable: an error, not a key of this process that no worker could verify claims with.
+    with pytest.raises(RuntimeError, match="secrets backend down"):
+        load_cache_salt_key(None, unreadable, never)
     with pytest.raises(ValueError, match="api_cache_salt"):
-        load_cache_salt_key("shared", lambda: None)
+        load_cache_salt_key("shared", lambda: None, never)

@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from aibrix_operators.batch.error_codes import ALL_CODES, BatchFailure, RequestError, ValidationCode
+from aibrix_operators.batch.error_codes import ALL_CODES, RequestError, ValidationCode
 
 REPO = Path(__file__).resolve().parents[2]
 HOME = REPO / "plugins" / "aibrix_operators" / "batch" / "error_codes.py"
@@ -22,9 +22,6 @@ ELSEWHERE = {
     ("batch_api/app.py", ValidationCode.FILE_TOO_LARGE),
     ("batch_api/batches.py", ValidationCode.INVALID_COMPLETION_WINDOW),
     ("batch_api/batches.py", ValidationCode.INVALID_ENDPOINT),
-    # The batch's code, written by the API for a run that ended without a batch.json; status.py is
-    # being changed by someone else: it should use BatchFailure.BATCH_RUN_FAILED.
-    ("batch_api/status.py", BatchFailure.BATCH_RUN_FAILED),
     # "timeout" is also a trigger event's status and a router metrics label.
     ("operators/driver_pod.py", RequestError.TIMEOUT),
     ("triggers/dropzone.py", RequestError.TIMEOUT),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.lifecycle import (
     ENDED_WITH_OUTPUT,
     TERMINAL,
@@ -56,8 +57,8 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
     errors = published.get("errors") if status == BatchStatus.FAILED else None
     if status == BatchStatus.FAILED and not errors:
         errors = {"object": "list", "data": [{
-            "code": "batch_run_failed", "message": "the batch's run failed before it published a result",
-            "param": None, "line": None}]}
+            "code": BatchFailure.BATCH_RUN_FAILED,
+            "message": "the batch's run failed before it published a result", "param": None, "line": None}]}
     if errors:
         hide = {str(snap.conf.get("input_uri") or "\0"): api.get("input_file_id", "the input file"),
                 str(snap.conf.get("output_uri") or "\0"): "the batch's output"}
