@@ -5,7 +5,6 @@ The status comes from ``batch/lifecycle.py``; this module shapes the object a cl
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from aibrix_operators.batch.error_codes import BatchFailure
@@ -21,6 +20,7 @@ from aibrix_operators.batch.lifecycle import (
 from aibrix_operators.batch.records import parse_completion_window
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
+from aibrix_operators.redact import scrub_addresses
 
 __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
 
@@ -101,9 +101,6 @@ def _finalizing_since(merge: list[TaskState], dispatch: list[TaskState]) -> int 
     return max(ends) if ends else None
 
 
-# Addresses of the deployment that a message may carry (a task's error names the endpoint it
-# could not reach): a URL of any scheme, or an IPv4 address with or without a port.
-_ADDRESS = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"()<>,;]+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
 
 
 def _error_item(item: dict[str, Any], hide: dict[str, str]) -> dict[str, Any]:
@@ -114,6 +111,6 @@ def _error_item(item: dict[str, Any], hide: dict[str, str]) -> dict[str, Any]:
     if isinstance(message, str):
         for uri, name in hide.items():
             message = message.replace(uri, name)
-        message = _ADDRESS.sub("<internal address>", message)
+        message = scrub_addresses(message)
     return {"code": item.get("code"), "message": message, "param": item.get("param"),
             "line": item.get("line")}

@@ -44,6 +44,7 @@ from aibrix_operators.driver.retry import (
     parse_retry_after,
 )
 from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate, prefix_hashes
+from aibrix_operators.redact import scrub_addresses, scrub_json
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -440,13 +441,19 @@ class _Sender:
             return success_record(custom_id, status, request_id or _body_id(body), body)
         body = _parse_error_body(raw)
         if 300 <= status < 400:
-            location = str(headers.get("location", ""))[:200]
+            # Where it points is for the task log only: the error line reaches the submitter
+            # (a Batch API tenant too), who must not learn the deployment's addresses.
+            _log_redirect(status, str(headers.get("location", ""))[:200])
             return error_record(
                 custom_id, RequestError.ENDPOINT_REDIRECTED,
-                f"the endpoint answered HTTP {status}, a redirect to {location!r}; redirects are not "
-                "followed (requests go only to the allow-listed endpoint): point endpoint at the server "
-                "that answers", status, request_id, body,
+                f"the endpoint answered HTTP {status}, a redirect; redirects are not followed (requests "
+                "go only to the allow-listed endpoint): point endpoint at the server that answers "
+                "(the task log names the redirect's target)", status, request_id,
+                scrub_json(body),
             )  # fmt: skip
+        # A server's error text may name addresses too (a proxy's error page, an upstream it
+        # could not reach): the line goes to the submitter without them.
+        body = scrub_json(body)
         code, message = _error_of(status, body)
         if is_retryable_status(status):
             return _Failure(code, message, status, request_id, body,
@@ -477,8 +484,19 @@ def _cancelled(custom_id: str, last: _Failure | None) -> dict[str, Any]:
 
 
 def _describe(exc: BaseException) -> str:
+    """The exception for an error line: its type and text, without the addresses it names
+    (``Cannot connect to host <internal address>``); the task log keeps them."""
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {scrub_addresses(text)}"
+
+
+_redirects_logged: set[tuple[int, str]] = set()
+
+
+def _log_redirect(status: int, location: str) -> None:
+    if (status, location) not in _redirects_logged and len(_redirects_logged) < 100:
+        _redirects_logged.add((status, location))
+        log.warning("the endpoint answered HTTP %s redirecting to %r; not followed", status, location)
 
 
 def _body_id(body: dict[str, Any]) -> str:
