@@ -1,5 +1,6 @@
-"""``execution_mode=kubernetes`` end to end: real KubernetesPodOperator code, a Kubernetes API
-double at the HTTP boundary, a fake kubelet running the driver CLI, real vLLM and SeaweedFS.
+"""``execution_mode=kubernetes`` end to end: the real dispatch code (the provider's KubernetesHook,
+PodManager and KubernetesPodTrigger), a Kubernetes API double at the HTTP boundary, a fake kubelet
+running the driver CLI, real vLLM and SeaweedFS.
 
 ``airflow dags test`` runs the DAG in a subprocess; the API double and the kubelet run in
 this process (tests/k8s_double), so tests can kill, delete and fault what the DAG sees.
