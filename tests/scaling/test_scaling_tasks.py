@@ -253,3 +253,37 @@ def test_autoscale_state_in_the_deferral_stays_bounded(configured: ScalingCluste
     assert len(state["progress"]["shards"]["shard-00000"]["seen"]) == 1  # 30 segments, 1 attempt
     # Same recommendation every tick: one entry, not one per tick.
     assert [len(state["roles"][r]["recommendations"]) for r in ("prefill", "decode")] == [1, 1]
+
+
+def test_the_scaling_tasks_are_sensors_whose_poke_is_the_condition(configured: ScalingCluster,
+                                                                   tmp_path: Path) -> None:
+    """Sensors in Airflow's sense (issue 20): RolesReadySensor's poke is the readiness check
+    (deferrable=False pokes in the worker until it holds); AutoscaleSensor's poke is one tick,
+    done once the batch has ended."""
+    from airflow.sdk import BaseSensorOperator
+
+    assert issubclass(RolesReadySensor, BaseSensorOperator)
+    assert issubclass(AutoscaleSensor, BaseSensorOperator)
+    validated, shards, log = batch(tmp_path, 40, window_s=3600.0)
+    ready = RolesReadySensor(task_id="roles_ready", validated=validated, execution_mode="kubernetes")
+    assert (ready.poke_interval, ready.timeout) == (10.0, 1800.0)
+    configured.set_ready(STORMSERVICES, NS, "llm", 0, role="decode")
+    assert not ready.poke({}).is_done
+    configured.set_ready(STORMSERVICES, NS, "llm", 2, role="decode")
+    poked = ready.poke({})
+    assert poked.is_done and poked.xcom_value == {"scaled": True, "ready": {"prefill": 2, "decode": 2}}
+    # In the worker: scales, then pokes (no deferral) and returns the poke's value.
+    in_worker = RolesReadySensor(task_id="roles_ready", validated=validated, execution_mode="kubernetes",
+                                 deferrable=False, poll_interval_s=0.05, timeout_s=5)
+    assert in_worker.execute({}) == {"scaled": True, "ready": {"prefill": 2, "decode": 2}}
+
+    auto = AutoscaleSensor(task_id="autoscale", validated=validated, shards=shards,
+                           execution_mode="kubernetes")
+    ctx: dict[str, Any] = {"run_id": "run_1", "ti": FakeTI()}
+    assert not auto.poke(ctx).is_done  # a tick: decided and applied, the batch goes on
+    assert roles_of(configured) == {"prefill": 2, "decode": 2}
+    for i in range(40):
+        log.append(_answer(i))
+    log.flush()
+    done = auto.poke(ctx)
+    assert done.is_done and done.xcom_value == {"ended": "every shard is done", "answered": 40, "total": 40}

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import BaseOperator, BaseSensorOperator, Context, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from aibrix_operators.batch.job import ValidatedBatch, work_prefix
@@ -83,17 +83,34 @@ def _apply(scaler: RoleScaler, settings: ScalingSettings, decisions: dict[str, S
             scaler.scale(settings.roles[role].target, d.desired_replicas)
 
 
-class RolesReadySensor(UsesBatchStorage, BaseOperator):
+class RolesReadySensor(UsesBatchStorage, BaseSensorOperator):
+    """Bring the serving roles up to the batch's first decision, then wait until each has a ready
+    pod group.
+
+    A sensor in Airflow's sense: ``poke`` is the readiness check, ``poll_interval_s`` and
+    ``timeout_s`` are its ``poke_interval`` and ``timeout``. Deferrable by default (the
+    ``RolesReadyTrigger`` polls, no worker slot is held); ``deferrable=False`` pokes in the worker.
+
+    :param validated: The validate task's output. (templated)
+    :param execution_mode: Acts only for ``kubernetes``. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` inputs (to sample the requests). (templated)
+    :param poll_interval_s: Seconds between readiness checks.
+    :param timeout_s: Seconds the roles get to become ready.
+    :param deferrable: Wait in the triggerer (default) or in the worker.
+    """
+
     template_fields: Sequence[str] = ("validated", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, execution_mode: str = "local", aws_conn_id: str | None = None,
-                 poll_interval_s: float = 10.0, timeout_s: float = 1800.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+                 poll_interval_s: float = 10.0, timeout_s: float = 1800.0, deferrable: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(poke_interval=poll_interval_s, timeout=timeout_s, **kwargs)
         self.validated = validated
         self.execution_mode = execution_mode
         self.aws_conn_id = aws_conn_id
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
+        self.deferrable = deferrable
 
     def execute(self, context: Context) -> dict[str, Any]:
         settings = _active_settings(self.execution_mode)
@@ -115,15 +132,27 @@ class RolesReadySensor(UsesBatchStorage, BaseOperator):
             decisions[role] = decide(rs.policy, work, RoleObservation(current.spec, current.ready),
                                      now, batch.expires_at)
         _apply(scaler, settings, decisions, batch.batch_id)
-        want = {role: max(rs.policy.gang_size, 1) for role, rs in settings.roles.items()}
+        if not self.deferrable:
+            return super().execute(context)  # pokes until ready or timeout_s
         self.defer(
             trigger=RolesReadyTrigger(
-                targets=[rs.target.__dict__ for rs in settings.roles.values()], want=want,
+                targets=[rs.target.__dict__ for rs in settings.roles.values()], want=_want(settings),
                 kubernetes_conn_id=settings.kubernetes_conn_id, poll_interval_s=self.poll_interval_s,
                 timeout_s=self.timeout_s),
             method_name="execute_complete",
         )
         raise AssertionError("defer() raises")  # pragma: no cover
+
+    def poke(self, context: Context) -> PokeReturnValue:
+        """Every role has ``gang_size`` ready replicas (at least one whole pod group)."""
+        settings = _active_settings(self.execution_mode)
+        if settings is None:
+            return PokeReturnValue(True, {"scaled": False})
+        scaler = RoleScaler(sync_api_client(settings.kubernetes_conn_id))
+        ready = {role: scaler.replicas(rs.target).ready for role, rs in settings.roles.items()}
+        done = all(ready[role] >= n for role, n in _want(settings).items())
+        log.info("serving roles ready: %s (wanted %s)", ready, _want(settings))
+        return PokeReturnValue(done, {"scaled": True, "ready": ready} if done else None)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         if event.get("status") != "ready":
@@ -132,33 +161,81 @@ class RolesReadySensor(UsesBatchStorage, BaseOperator):
         return {"scaled": True, "ready": event["ready"]}
 
 
-class AutoscaleSensor(UsesBatchStorage, BaseOperator):
+def _want(settings: ScalingSettings) -> dict[str, int]:
+    return {role: max(rs.policy.gang_size, 1) for role, rs in settings.roles.items()}
+
+
+class AutoscaleSensor(UsesBatchStorage, BaseSensorOperator):
+    """Scale the serving roles while the batch's shards run; done when the batch is.
+
+    A sensor in Airflow's sense: each ``poke`` is one tick (scrape, decide, apply) and the
+    condition it waits for is the batch's end (every shard answered, every dispatch task
+    finished, or the window over). Deferrable by default: between ticks it waits in the
+    triggerer, carrying its state in the deferral; ``deferrable=False`` pokes in the worker.
+
+    :param validated: The validate task's output. (templated)
+    :param shards: The split task's output. (templated)
+    :param execution_mode: Acts only for ``kubernetes``. (templated)
+    :param aws_conn_id: Airflow connection for ``s3://`` URIs. (templated)
+    :param interval_s: Seconds between ticks (at least ``MIN_INTERVAL_S``); default: the
+        deployment's ``[aibrix_scaling] interval_s``.
+    :param dispatch_task_id: The dispatch task, whose instances' ends also end the autoscaler.
+    :param deferrable: Wait between ticks in the triggerer (default) or in the worker.
+    """
+
     template_fields: Sequence[str] = ("validated", "shards", "execution_mode", "aws_conn_id")
 
     def __init__(self, *, validated: Any, shards: Any, execution_mode: str = "local",
                  aws_conn_id: str | None = None, interval_s: float | None = None,
-                 dispatch_task_id: str | None = "dispatch", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+                 dispatch_task_id: str | None = "dispatch", deferrable: bool = True, **kwargs: Any) -> None:
+        super().__init__(poke_interval=max(interval_s or MIN_INTERVAL_S, MIN_INTERVAL_S), **kwargs)
         self.validated = validated
         self.shards = shards
         self.execution_mode = execution_mode
         self.aws_conn_id = aws_conn_id
         self.interval_s = interval_s
         self.dispatch_task_id = dispatch_task_id
+        self.deferrable = deferrable
+        self._poke_state: dict[str, Any] = {}
 
     def execute(self, context: Context) -> dict[str, Any]:
         settings = _active_settings(self.execution_mode)
         if settings is None:
             raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
+        if not self.deferrable:
+            self.poke_interval = self._interval(settings)
+            return super().execute(context)  # pokes (one tick each) until the batch ends
         # The first decision is made here, with a scrape of its own: deferring for it at once
         # would resume the task before the executor has reported this run's end, which the
         # scheduler takes for a task killed externally (see MIN_INTERVAL_S).
         load = asyncio.run(scrape_load(_sources(settings), settings.kubernetes_conn_id))
         return self.tick(context, event={"status": "tick", "load": load}, state={})
 
+    def poke(self, context: Context) -> PokeReturnValue:
+        """One tick: scrape each role's load, decide, apply; done once the batch has ended."""
+        settings = _active_settings(self.execution_mode)
+        if settings is None:
+            raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
+        load = asyncio.run(scrape_load(_sources(settings), settings.kubernetes_conn_id))
+        ended, self._poke_state = self._step(context, {"status": "tick", "load": load}, self._poke_state)
+        return PokeReturnValue(ended is not None, ended)
+
     def tick(
         self, context: Context, event: Any = None, state: dict[str, Any] | None = None
     ) -> dict[str, Any]:
+        """Resume after ``AutoscaleTickTrigger``: one tick, then defer again until the batch ends."""
+        ended, state = self._step(context, event, state)
+        if ended is not None:
+            return ended
+        settings = _active_settings(self.execution_mode)
+        assert settings is not None  # _step skipped otherwise
+        self._defer(settings, state, delay_s=self._interval(settings))
+        raise AssertionError("defer() raises")  # pragma: no cover
+
+    def _step(
+        self, context: Context, event: Any, state: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """One tick; ``(the task's result, state)`` once the batch has ended, else ``(None, state)``."""
         settings = _active_settings(self.execution_mode)
         if settings is None:
             raise AirflowSkipException(f"execution_mode={self.execution_mode} or no [aibrix_scaling] roles")
@@ -186,7 +263,7 @@ class AutoscaleSensor(UsesBatchStorage, BaseOperator):
         why = self._end_reason(context, progress.done, len(shards), now > batch.expires_at)
         if why:
             log.info("autoscale ends: %s (%d/%d answered)", why, progress.answered, progress.total)
-            return {"ended": why, "answered": progress.answered, "total": progress.total}
+            return {"ended": why, "answered": progress.answered, "total": progress.total}, state
 
         work = progress.remaining(profile)
         load = ((event or {}).get("load") or {}) if isinstance(event, dict) else {}
@@ -221,8 +298,7 @@ class AutoscaleSensor(UsesBatchStorage, BaseOperator):
             from prometheus_client import push_to_gateway
 
             push_to_gateway(settings.pushgateway, job="aibrix_batch_autoscale", registry=metrics.REGISTRY)
-        self._defer(settings, state, delay_s=self._interval(settings))
-        raise AssertionError("defer() raises")  # pragma: no cover
+        return None, state
 
     def _end_reason(self, context: Context, all_answered: bool, shards: int, expired: bool) -> str | None:
         """Why the autoscaler stops now, or None to go on."""
