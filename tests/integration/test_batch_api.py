@@ -145,6 +145,7 @@ def test_tenants_share_no_prefix_cache(api):
     tenant's requests now carry its own cache_salt: the same prompt is a hit within a tenant
     and never across tenants, even when a line names the other tenant's salt itself."""
     prompt = " ".join(secrets.token_hex(4) for _ in range(150))  # some 600 tokens, new to vLLM
+    batches: list[tuple[str, str]] = []
 
     def cached_tokens(tenant: str, line_salt: str | None = None) -> int:
         body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0,
@@ -157,6 +158,7 @@ def test_tenants_share_no_prefix_cache(api):
                                       endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
         done = wait_for(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 1, done
+        batches.append((tenant, batch.id))
         [out] = content(client, done.output_file_id)
         usage = out["response"]["body"]["usage"]
         return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -172,9 +174,10 @@ def test_tenants_share_no_prefix_cache(api):
     alpha_salt = tenant_cache_salt(SALT_KEY.encode(), "alpha")
     deployment, token = api.airflow, api.airflow.token()
     runs = deployment.api("GET", "/api/v2/dags/batch_inference/dagRuns?limit=100", token=token)["dag_runs"]
-    alpha_runs = [r for r in runs if r["dag_run_id"].startswith(run_id_for("alpha", ""))]
-    assert alpha_runs and all(alpha_salt not in json.dumps(r) for r in runs)
-    conf = alpha_runs[0]["conf"]
+    assert all(alpha_salt not in json.dumps(r) for r in runs)
+    # The run of alpha's last batch here (its input file still exists: other tests delete theirs).
+    alpha_batch = [b for t, b in batches if t == "alpha"][-1]
+    [conf] = [r["conf"] for r in runs if r["dag_run_id"] == run_id_for("alpha", alpha_batch)]
     assert set(conf[API_CONF_KEY][CLAIM_KEY]) == {"tenant", "tag"}
     # 1. Alpha's conf copied into a run of one's own: the claim verifies in no other run, so
     #    dispatch fails at once (no retry helps), sending nothing.
