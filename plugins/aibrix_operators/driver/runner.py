@@ -385,7 +385,11 @@ class _Sender:
                 if charged >= cfg.max_attempts:
                     # Its own fault if the endpoint answered others meanwhile, or passes its
                     # health check now; otherwise the endpoint is down and nothing is charged.
-                    if health.successes > (prev_mark if charged > 1 else cur_mark):
+                    # A connection that failed is asked of the health check always: others'
+                    # answers may have finished just as the endpoint went down (a clean-clone run
+                    # on a loaded machine turned an outage into an error line that way).
+                    answered_meanwhile = health.successes > (prev_mark if charged > 1 else cur_mark)
+                    if answered_meanwhile and result.code != RequestError.CONNECTION_ERROR:
                         return result.as_record(custom_id, attempts)
                     problem = await health.check()
                     if problem is None:
