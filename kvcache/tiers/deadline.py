@@ -41,8 +41,10 @@ class DeadlineRunner:
         # Daemon threads, not a ThreadPoolExecutor: its exit hook joins every thread, and a
         # hung one would keep the process from exiting.
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        # Named per runner, so that its threads can be told from other runners' (tests count them).
+        self.thread_prefix = f"kvcache-{name}-{id(self):x}-"
         for i in range(threads):
-            threading.Thread(target=self._serve, name=f"kvcache-{name}-{i}", daemon=True).start()
+            threading.Thread(target=self._serve, name=f"{self.thread_prefix}{i}", daemon=True).start()
         self._lock = threading.Lock()
         self._stuck = 0
         self._down_until = 0.0

@@ -152,7 +152,8 @@ def test_hung_threads_are_bounded(hung_mount: Path) -> None:
     box, took = _in_thread(lambda: store.get("kv:ns:r0:zz:L0", max_bytes=1 << 20), limit_s=5)
     assert isinstance(box.get("error"), TierUnavailable) and "still hung" in str(box["error"]), box
     assert took < 0.5  # no wait for a timeout (1 s): refused before a thread is asked
-    assert sum(t.name.startswith("kvcache-fs") for t in threading.enumerate()) == store.deadline.threads
+    prefix = store.deadline.thread_prefix
+    assert sum(t.name.startswith(prefix) for t in threading.enumerate()) == store.deadline.threads
     store.close()
 
 
