@@ -18,15 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kvcache_worker import BS, DIM2, HEADS, _step, _worker
 
 from kvcache import codec
-from kvcache.config import KVCacheSettings
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata
 from kvcache.tiers import FilesystemStore, TierUnavailable
-from kvcache.worker import KVCacheWorker
 
 HERE = Path(__file__).resolve().parent
-LAYERS, BLOCKS, BS, HEADS, DIM2 = 2, 16, 4, 2, 8
 TIMEOUT_S = 0.5
 
 
@@ -59,27 +57,6 @@ def hung_mount(tmp_path: Path) -> Iterator[Path]:
         daemon.kill()  # the hung reads now fail (ENOTCONN) and their threads return
         daemon.wait()
         _unmount(mount)
-
-
-def _kv() -> dict[str, torch.Tensor]:
-    # vLLM CPU layout: [num_blocks, kv_heads, block_size, 2*head_dim]
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BS, DIM2) for i in range(LAYERS)}
-
-
-def _worker(l2: FilesystemStore) -> tuple[KVCacheWorker, dict[str, torch.Tensor]]:
-    worker = KVCacheWorker(KVCacheSettings.from_extra({}), "ns", 0, l2)
-    kv = _kv()
-    worker.register_kv_caches(kv, BLOCKS, BS)
-    return worker, kv
-
-
-def _step(worker: KVCacheWorker, meta: KVCacheStepMetadata) -> set[int]:
-    worker.start_load(meta)
-    for name in worker.layer_index:
-        worker.wait_for_layer(name)
-        worker.save_layer(name, meta)
-    worker.wait_for_save(meta)
-    return worker.take_load_errors()
 
 
 def _in_thread(fn, limit_s: float):
@@ -122,7 +99,7 @@ def test_a_hung_shared_tier_never_blocks_the_forward_pass(hung_mount: Path, tmp_
     """A step that loads one chunk from L1 and two from the hung tier: it finishes within the
     timeout, the two are recomputed, the L1 chunk loads its exact bytes."""
     # Chunk "l1" is in this worker's own L1 (saved by it); "h0"/"h1" only "exist" on the mount.
-    worker, kv = _worker(FilesystemStore(str(hung_mount), timeout_s=TIMEOUT_S, retry_s=60))
+    worker, kv = _worker({}, FilesystemStore(str(hung_mount), timeout_s=TIMEOUT_S, retry_s=60))
     for t in kv.values():
         t[2] = torch.randn(HEADS, BS, DIM2)
     save = KVCacheStepMetadata(saves=[ChunkTransfer("l1", [(0, 2)])], chunk_tokens=BS)
