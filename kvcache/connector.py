@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from kvcache import metrics
+from kvcache.adapters import AdapterUnavailable, adapter_identity, first_warning
 from kvcache.config import KVCacheSettings
 from kvcache.fingerprint import weights_fingerprint
 from kvcache.handoff import Handoff
@@ -182,13 +183,20 @@ class KVCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         if not self._cacheable(request):
             return 0, False
+        adapter = None
+        if request.lora_request is not None:
+            # The adapter's name and content fingerprint root the chain, so no other adapter
+            # (nor the base) shares its keys; None: it cannot be fingerprinted, not cached.
+            adapter = _adapter_identity(request.lora_request)
+            if adapter is None:
+                return 0, False
         prompt = list(request.prompt_token_ids or [])
         salt = getattr(request, "cache_salt", None)
         # A decode call after a prefill carries what the prefill stored (kvcache.handoff);
         # None from the scheduler = pending until L2 holds it: vLLM asks again next step.
         handoff = Handoff.from_params(request.kv_transfer_params)
         matched = self.scheduler.num_matched_tokens(
-            request.request_id, prompt, num_computed_tokens, salt, handoff
+            request.request_id, prompt, num_computed_tokens, salt, handoff, adapter
         )
         return matched, False
 
@@ -224,11 +232,20 @@ class KVCacheConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
-        return not (
-            request.mm_features
-            or request.lora_request is not None
-            or getattr(request, "prompt_embeds", None) is not None
-        )
+        return not (request.mm_features or getattr(request, "prompt_embeds", None) is not None)
+
+
+def _adapter_identity(lora_request: Any) -> str | None:
+    """The adapter's identity, or None (counted, logged once per adapter): not cached."""
+    try:
+        return adapter_identity(lora_request)
+    except AdapterUnavailable as exc:
+        metrics.LORA_UNCACHED.labels(exc.reason).inc()
+        if first_warning(lora_request.lora_name):
+            log.warning(
+                "kvcache: requests for LoRA adapter %s bypass the cache: %s", lora_request.lora_name, exc
+            )
+        return None
 
 
 def _wants_remote_decode(request: Request) -> bool:

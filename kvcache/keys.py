@@ -4,8 +4,10 @@ A chunk's key is a chained hash: it covers the chunk's tokens *and* every token 
 it, so a key identifies a whole prefix, never a chunk out of context. Every chain starts
 from a namespace digest (everything in ``KeyNamespace``: model, weights fingerprint, model
 dtype, KV cache dtype, block and chunk size, KV layout, TP size, the ``namespace``
-setting) and, when the request has one, its ``cache_salt``; so two models, two weight
-files, two KV formats, two layouts or two tenants never read each other's blocks. A
+setting) and, when the request has them, its ``cache_salt`` and its LoRA adapter's
+identity (name and content fingerprint, kvcache.adapters); so two models, two weight
+files, two KV formats, two layouts, two tenants or two adapters never read each other's
+blocks. A
 storage key adds the TP rank and the *global* layer number (``model.layers.<n>``), so
 pipeline stages, which own disjoint layers, never share a key either.
 """
@@ -67,13 +69,17 @@ class KeyNamespace:
         return self.digest().hex()[:16]
 
 
-def chain_root(namespace: KeyNamespace, salt: str | None = None) -> bytes:
-    """Where a request's chain starts: the namespace digest, mixed with its cache_salt."""
+def chain_root(namespace: KeyNamespace, salt: str | None = None, adapter: str | None = None) -> bytes:
+    """Where a request's chain starts: the namespace digest, mixed with its cache_salt and
+    its LoRA adapter's identity (kvcache.adapters.adapter_identity). Without either the
+    root is the namespace digest itself, so base-model keys do not change."""
     root = namespace.digest()
-    if salt:
-        h = hashlib.blake2b(root, digest_size=_DIGEST_BYTES, person=b"kvcache-salt")
-        h.update(salt.encode())
-        root = h.digest()
+    # Distinct personalisations: a salt never equals an adapter identity's mix.
+    for person, value in ((b"kvcache-salt", salt), (b"kvcache-lora", adapter)):
+        if value:
+            h = hashlib.blake2b(root, digest_size=_DIGEST_BYTES, person=person)
+            h.update(value.encode())
+            root = h.digest()
     return root
 
 
@@ -82,15 +88,17 @@ def chunk_hashes(
     token_ids: Sequence[int],
     max_tokens: int | None = None,
     salt: str | None = None,
+    adapter: str | None = None,
 ) -> list[str]:
     """Chained hashes of the full chunks of ``token_ids`` (at most ``max_tokens`` tokens),
-    under the request's ``cache_salt`` (vLLM's per-request tenant isolation), if any.
+    under the request's ``cache_salt`` (vLLM's per-request tenant isolation) and LoRA
+    adapter identity, if any.
 
     A partial trailing chunk gets no key: only block-aligned chunks are stored.
     """
     size = namespace.chunk_tokens
     limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
-    parent = chain_root(namespace, salt)
+    parent = chain_root(namespace, salt, adapter)
     out: list[str] = []
     for start in range(0, limit - size + 1, size):
         chunk = token_ids[start : start + size]

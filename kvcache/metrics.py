@@ -48,6 +48,12 @@ HANDOFF_WAIT_SECONDS = Histogram(
     "Per handoff: time a decode request stayed pending until its chunks were in L2 (or timeout)",
     buckets=_LAT_BUCKETS,
 )
+LORA_UNCACHED = Counter(
+    "kvcache_lora_uncached_requests",
+    "LoRA requests that bypassed the cache because their adapter could not be fingerprinted "
+    "(not_local, unreadable, no_weights, too_big)",
+    ["reason"],
+)
 SAVE_ERRORS = Counter("kvcache_save_errors", "Steps whose saves failed and were dropped")
 L2_DROPPED = Counter("kvcache_l2_writes_dropped", "L2 writes dropped because the queue was full")
 # Both are the forward's cost: time the compute thread spends in the connector's hooks for

@@ -68,10 +68,12 @@ class KVCacheScheduler:
         self._handoff_events: list[tuple[str, float]] = []
 
     # -- lookup ----------------------------------------------------------------------------
-    def _hashes(self, req_id: str, prompt: list[int], salt: str | None = None) -> list[str]:
+    def _hashes(
+        self, req_id: str, prompt: list[int], salt: str | None = None, adapter: str | None = None
+    ) -> list[str]:
         cached = self._hash_cache.get(req_id)
         if cached is None:
-            cached = chunk_hashes(self.namespace, prompt, salt=salt)
+            cached = chunk_hashes(self.namespace, prompt, salt=salt, adapter=adapter)
             self._hash_cache[req_id] = cached
         return cached
 
@@ -82,11 +84,13 @@ class KVCacheScheduler:
         num_computed_tokens: int,
         salt: str | None = None,
         handoff: Handoff | None = None,
+        adapter: str | None = None,
     ) -> int | None:
         """Tokens beyond ``num_computed_tokens`` whose KV we can load (side-effect free for vLLM).
 
-        Also where a request's chunk hashes are made, under its ``cache_salt``: vLLM asks
-        this of every new request, and the step metadata (which lacks the salt) reuses them.
+        Also where a request's chunk hashes are made, under its ``cache_salt`` and LoRA
+        ``adapter`` identity: vLLM asks this of every new request, and the step metadata
+        (which lacks the salt) reuses them.
 
         ``handoff``: what a prefill instance stored for this prompt (kvcache.handoff). Until
         L2 holds it, or ``handoff_wait_s`` passes, the answer is None ("pending": vLLM skips
@@ -94,7 +98,7 @@ class KVCacheScheduler:
         """
         if not prompt:
             return 0
-        hashes = self._hashes(req_id, prompt, salt)
+        hashes = self._hashes(req_id, prompt, salt, adapter)
         if not self.can_load:
             return 0
         # Leave at least one prompt token to compute: vLLM needs logits for it.
@@ -183,8 +187,9 @@ class KVCacheScheduler:
             block_ids = list(new.block_ids[0]) if new.block_ids else []
             prompt = list(new.prompt_token_ids or [])
             hashes = self._hash_cache.get(new.req_id)
-            # No hashes: the request was never looked up, so its cache_salt is unknown;
-            # better not stored than stored under an unsalted key.
+            # No hashes: the request was never looked up (or its LoRA adapter could not be
+            # fingerprinted), so its salt or adapter is unknown; better not stored than
+            # stored under the base model's unsalted keys.
             if not self._cacheable(new) or not prompt or hashes is None:
                 continue
             state = _ReqState(hashes, block_ids)
@@ -237,9 +242,10 @@ class KVCacheScheduler:
             item.deps = deps[item.req_id]
 
     def _cacheable(self, new: Any) -> bool:
-        # Our keys cover token ids only: multimodal inputs, LoRA adapters and prompt
-        # embeddings change the KV for the same ids, so such requests bypass the cache.
-        return not (new.mm_features or new.lora_request is not None or new.prompt_embeds is not None)
+        # Our keys cover token ids (and the LoRA adapter, in the chain root): multimodal
+        # inputs and prompt embeddings change the KV for the same ids, so such requests
+        # bypass the cache.
+        return not (new.mm_features or new.prompt_embeds is not None)
 
     def _add_load(
         self, meta: KVCacheStepMetadata, req_id: str, state: _ReqState, num_computed: int, num_external: int

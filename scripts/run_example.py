@@ -21,7 +21,10 @@ AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 
 
 def run_dag(conf: dict, env: dict[str, str], log_path: Path) -> int:
+    # A fresh checkout's first migrate creates the SQLite DB: tens of seconds, so say so.
+    print("creating/upgrading the Airflow DB (.work/airflow) ...", flush=True)
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
+    print(f"running DAG batch_inference (log: {log_path}) ...", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.run(
             [AIRFLOW, "dags", "test", "batch_inference", "-c", json.dumps(conf)],

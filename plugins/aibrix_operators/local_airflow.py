@@ -122,8 +122,9 @@ def _start_component(env: dict[str, str], home: Path, component: str, api_url: s
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_airflow(env: dict[str, str], home: Path) -> AirflowDeployment:
-    port = free_port()
+def start_airflow(env: dict[str, str], home: Path, port: int | None = None) -> AirflowDeployment:
+    """The four components on 127.0.0.1; the api-server on ``port`` (default: a free one)."""
+    port = port or free_port()
     env = {**env, "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",

@@ -146,11 +146,13 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key.lstrip("/")
 
 
-def default_s3_client() -> Any:
+def default_s3_client(config: Any = None) -> Any:
+    """boto3's S3 client from the usual sources; ``config`` is a ``botocore.config.Config``
+    (e.g. a larger connection pool for parallel downloads)."""
     import boto3
 
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return boto3.client("s3", region_name=region)
+    return boto3.client("s3", region_name=region, config=config)
 
 
 class _S3RawReader(io.RawIOBase):

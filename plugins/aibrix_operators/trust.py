@@ -220,6 +220,15 @@ def _url_parts(url: str) -> tuple[str, str, int, str]:
     return scheme, host, port, parts.path or "/"
 
 
+def endpoint_matches(pattern: str, url: str) -> bool:
+    """Whether ``url`` falls under ``pattern`` (the syntax of ``allowed_endpoints``)."""
+    try:
+        scheme, host, port, path = _url_parts(url)
+    except ValueError:
+        return False
+    return _endpoint_matches(pattern, scheme, host, port, path)
+
+
 def _endpoint_matches(pattern: str, scheme: str, host: str, port: int, path: str) -> bool:
     any_port = False
     if pattern.rstrip("/").endswith(":*") or ":*/" in pattern:

@@ -1,7 +1,7 @@
 """The batch's cache_salt on the wire (issue 19: tenants shared vLLM's prefix cache).
 
 The driver sends to a real aiohttp server that records every body; the salt is added to
-generation requests only, a line's own salt is kept under the batch's, and without a salt the
+every request whose endpoint takes one, a line's own salt is kept under the batch's, and without a salt the
 bytes sent are the line's own. The cross-tenant effect on a real vLLM is
 tests/integration/test_batch_api.py::test_tenants_share_no_prefix_cache."""
 
@@ -52,6 +52,9 @@ LINES = [
     line("completion", url="/v1/completions"),
     line("embedding", url="/v1/embeddings"),
     line("not-a-string", cache_salt=7),
+    line("responses", url="/v1/responses"),
+    line("score", url="/v1/score"),
+    line("rerank", url="/v1/rerank", cache_salt="mine"),
 ]
 
 
@@ -72,8 +75,12 @@ async def test_the_batch_salt_is_on_every_generation_request(bodies, tmp_path) -
         "plain": "tenant-abc",
         "own": "tenant-abc:mine",  # kept under the batch's: a line cannot name another tenant's
         "completion": "tenant-abc",
-        "embedding": "<none>",  # vLLM's embeddings request has no cache_salt
+        # vLLM 0.32's pooling requests take cache_salt too (PoolingBasicRequestMixin)
+        "embedding": "tenant-abc",
         "not-a-string": 7,  # left for vLLM to refuse as the line's own error
+        "responses": "tenant-abc",
+        "score": "tenant-abc",
+        "rerank": "tenant-abc:mine",
     }
 
 
@@ -83,6 +90,7 @@ async def test_without_a_salt_a_lines_own_is_namespaced(bodies, tmp_path) -> Non
     await _send(url, tmp_path, None)
     assert {m: b.get("cache_salt") for m, b in seen.items()} == {
         "plain": None, "own": "line:mine", "completion": None, "embedding": None, "not-a-string": 7,
+        "responses": None, "score": None, "rerank": "line:mine",
     }  # fmt: skip
 
 

@@ -388,3 +388,17 @@ def test_schemathesis_against_the_openapi_schema(api, tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert api.keys["beta"] not in output and api.keys["alpha"] not in output
+
+
+# The aibrix-batch CLI, BatchClient and monitor_url (issue 22) against this module's deployment:
+# written in their own file, collected here so they share the one api-server and vLLM.
+from tests.integration.batch_client_cases import (  # noqa: E402, F401
+    browser,
+    test_cli_cancel_a_second_batch,
+    test_cli_create_wait_status_list_results,
+    test_cli_errors_are_one_line_with_their_exit_code,
+    test_cli_pool_file_caps_the_batchs_running_shards,
+    test_cli_pool_over_the_deployments_limit_is_refused_by_name,
+    test_client_and_sdk_agree_on_one_batch,
+    test_monitor_url_opens_the_run_in_the_airflow_ui,
+)

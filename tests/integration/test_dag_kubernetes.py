@@ -102,7 +102,9 @@ def test_batch_runs_in_driver_pods_through_api_faults(
     conflict = cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 409)
     error = cluster.api.fail("GET", rf"/namespaces/{NS}/pods/aibrix-driver-[^/]+$", 500)
     cluster.api.stall_watches(r"/events\?.*watch=true")
-    proc = dags_test(k8s_env, conf(bucket, "e2e", vllm_chat.base_url, requests_per_shard=8), tmp_path)
+    # memory_per_job (the job pool's, docs/job-pool.md) sizes every driver pod of the batch.
+    proc = dags_test(k8s_env, conf(bucket, "e2e", vllm_chat.base_url, requests_per_shard=8,
+                                   memory_per_job="768Mi"), tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert conflict.hits == 1 and error.hits == 1
 
@@ -127,6 +129,10 @@ def test_batch_runs_in_driver_pods_through_api_faults(
     # The planted key and the S3 secret are nowhere but in their Secrets.
     pod_history = [o for _, _, key, o in cluster.store._history if key[0] == "/api/v1/pods"]
     assert pod_history and "aibrix-batch-inference" in json.dumps(pod_history)
+    resources = [c["resources"] for o in pod_history if isinstance(o, dict)
+                 for c in o.get("spec", {}).get("containers", [])]
+    assert resources and all(r["requests"]["memory"] == r["limits"]["memory"] == "768Mi"
+                             for r in resources), resources
     logs = [cluster.store.log_lines(NS, r.name)[0] for r in runs]
     for secret in (PLANTED, s3_server.secret_key):
         assert secret not in json.dumps(pod_history)

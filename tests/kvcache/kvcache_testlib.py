@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -108,3 +111,14 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
     (tg, _), (tw, _) = completion(got), completion(want)
     assert tg == tw
     assert max_logprob_delta(got, want) <= LOGPROB_TOL
+
+
+def load_make_lora() -> Callable[..., Path]:
+    """``make_lora(base, out, seed, rank)`` from inference_images/vllm/make_lora.py (an
+    image's tool, not an installed package), so tests serve the adapters it writes."""
+    path = Path(__file__).resolve().parents[2] / "inference_images" / "vllm" / "make_lora.py"
+    spec = importlib.util.spec_from_file_location("make_lora", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_lora

@@ -26,6 +26,9 @@ class StubBackend:
     stream_chunks: list[str] = field(default_factory=lambda: ["a", "b", "c"])
     stream_pause_s: float = 0.0
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    delay_s: float = 0.0  # each POST is answered after this long (a busy instance)
+    # The x-aibrix-scheduling-policy header on /v1/models (serving/scheduling_policy.py); None: none.
+    policy: str | None = None
     # Stream chunks written so far (all requests).
     chunks_sent: int = 0
     server: TestServer | None = None
@@ -69,11 +72,15 @@ class StubBackend:
         return web.Response(text=text)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        headers = {"x-aibrix-scheduling-policy": self.policy} if self.policy else None
+        listing = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        return web.json_response(listing, headers=headers)
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append((request.path, body))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.answer is not None:
             status, payload = self.answer
             return web.json_response(payload, status=status)

@@ -5,7 +5,9 @@ schema), and the properties the topology depends on asserted."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 from functools import cache
@@ -17,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as SCHEDULING_POLICY_MIDDLEWARE
 from kvcache.config import KVCacheSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +48,11 @@ def kubectl() -> str:
 
 @cache
 def render(overlay: str) -> tuple[dict[str, Any], ...]:
-    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
+    return render_dir(K8S / "overlays" / overlay)
+
+
+def render_dir(path: Path) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run([kubectl(), "kustomize", str(path)],
                          check=True, capture_output=True, text=True).stdout  # fmt: skip
     return tuple(d for d in yaml.safe_load_all(out) if d)
 
@@ -54,10 +61,10 @@ def of_kind(overlay: str, kind: str) -> list[dict[str, Any]]:
     return [d for d in render(overlay) if d["kind"] == kind]
 
 
-def pod_templates(overlay: str) -> list[dict[str, Any]]:
+def pod_templates(overlay: str, docs: tuple[dict[str, Any], ...] | None = None) -> list[dict[str, Any]]:
     """Every pod template: workloads' and StormService roles'."""
     out = []
-    for d in render(overlay):
+    for d in render(overlay) if docs is None else docs:
         if d["kind"] in ("Deployment", "StatefulSet"):
             out.append(d["spec"]["template"])
         elif d["kind"] == "StormService":
@@ -111,22 +118,29 @@ def test_pinned_kubectl_renders() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("version", ["1.33"])
 def test_every_object_validates(overlay: str, version: str) -> None:
-    docs = render(overlay)
+    validate_all(overlay, render(overlay), version)
+
+
+def validate_all(overlay: str, docs: tuple[dict[str, Any], ...], version: str) -> None:
     assert docs
     for doc in docs:
-        name = f"{overlay}: {doc['kind']}/{doc['metadata']['name']}"
-        if doc["kind"] in AIBRIX_KINDS:
-            schema = crd_schema(doc["kind"])
-            jsonschema.validate(doc, schema)
-            assert unknown_fields(doc, schema) == [], f"{name}: fields not in the v0.5.0 CRD"
-        elif doc["apiVersion"] == "scheduling.x-k8s.io/v1alpha1":
-            assert doc["kind"] == "PodGroup"
-            jsonschema.validate(doc["spec"], PODGROUP_SPEC)
-        else:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                raise AssertionError(f"{name} invalid for Kubernetes {version}: {exc.message}") from exc
+        assert_valid(doc, f"{overlay}: {doc['kind']}/{doc['metadata']['name']}", version)
+
+
+def assert_valid(doc: dict[str, Any], name: str, version: str) -> None:
+    """Built-in kinds strictly for Kubernetes ``version``, AIBrix kinds against the CRDs."""
+    if doc["kind"] in AIBRIX_KINDS:
+        schema = crd_schema(doc["kind"])
+        jsonschema.validate(doc, schema)
+        assert unknown_fields(doc, schema) == [], f"{name}: fields not in the v0.5.0 CRD"
+    elif doc["apiVersion"] == "scheduling.x-k8s.io/v1alpha1":
+        assert doc["kind"] == "PodGroup"
+        jsonschema.validate(doc["spec"], PODGROUP_SPEC)
+    else:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{name} invalid for Kubernetes {version}: {exc.message}") from exc
 
 
 def test_crd_check_refuses_a_field_the_api_server_would_drop() -> None:
@@ -143,7 +157,12 @@ def test_both_overlays_run_the_same_vllm_containers_per_role() -> None:
         vllm = [
             t for t in pod_templates(overlay) if t["metadata"]["labels"]["app.kubernetes.io/name"] == "vllm"
         ]
-        return {t["metadata"]["labels"]["app.kubernetes.io/component"]: t["spec"]["containers"] for t in vllm}
+        return {
+            t["metadata"]["labels"]["app.kubernetes.io/component"]: [
+                t["spec"]["containers"], t["spec"]["initContainers"], t["spec"]["volumes"],
+            ]
+            for t in vllm
+        }
 
     plain, aibrix = by_role("plain"), by_role("aibrix")
     assert set(plain) == set(aibrix) == {"prefill", "decode"}
@@ -239,6 +258,19 @@ def test_connector_config_parses_and_roles_split(overlay: str) -> None:
             assert ref == {"name": "kvcache-redis", "key": "password"}
             seen[role] = cfg["kv_role"]
     assert seen == {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_vllm_schedules_by_priority_and_says_so(overlay: str) -> None:
+    """What shared capacity mode's preflight needs of a pod (docs/shared-capacity.md): priority
+    scheduling, and the middleware that reports it, importable from the image's package."""
+    vllm = [c for c in containers(overlay) if c["name"] == "vllm"]
+    assert vllm
+    for c in vllm:
+        assert "--scheduling-policy=priority" in c["args"]
+        assert f"--middleware={SCHEDULING_POLICY_MIDDLEWARE}" in c["args"]
+    module, _, name = SCHEDULING_POLICY_MIDDLEWARE.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -376,3 +408,83 @@ def test_probe_of_a_headless_rank_checks_its_process(tmp_path: Path) -> None:
         env = {"HOSTNAME": "decode-g0-1", "PATH": "/usr/bin:/bin"}
         done = subprocess.run(["/bin/sh", str(tmp_path / "probe.sh")], env=env, capture_output=True)
         assert (done.returncode != 0) == bool(want)
+
+
+def vllm_templates(overlay: str, docs: tuple[dict[str, Any], ...] | None = None) -> list[dict[str, Any]]:
+    templates = [
+        t
+        for t in pod_templates(overlay, docs)
+        if t["metadata"]["labels"].get("app.kubernetes.io/name") == "vllm"
+    ]
+    assert len(templates) == {"plain": 8, "aibrix": 2}[overlay]  # 4 groups x 2 roles; 2 roles
+    return templates
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_vllm_pod_fetches_its_model_before_vllm_starts(overlay: str) -> None:
+    from aibrix_operators.serving.model_fetch import parse_args
+
+    [model_cm] = [
+        d for d in render(overlay) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-model"
+    ]
+    assert model_cm["data"]["MODEL_SOURCE"].startswith("s3://")
+    for t in vllm_templates(overlay):
+        spec = t["spec"]
+        [fetch] = spec["initContainers"]
+        [vllm] = [c for c in spec["containers"] if c["name"] == "vllm"]
+        assert fetch["name"] == "model-fetch" and fetch["image"] == vllm["image"]  # the package is in it
+        assert fetch["command"] == ["python3", "-m", "aibrix_operators.serving.model_fetch"]
+        args = parse_args(fetch["args"])  # the fetcher's own parser
+        assert f"--model={args.dest}" in vllm["args"] and args.termination_log == "/dev/termination-log"
+        assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        fetch_mounts = {m["name"]: m for m in fetch["volumeMounts"]}
+        vllm_mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+        assert set(volumes["models"]) == {"name", "emptyDir"}  # node-local, the pod's own
+        assert fetch_mounts["models"]["mountPath"] == vllm_mounts["models"]["mountPath"] == "/models"
+        assert not fetch_mounts["models"].get("readOnly") and vllm_mounts["models"]["readOnly"] is True
+        assert args.dest.is_relative_to("/models")
+        # Every setting from a reference: credentials from the Secret, the rest from the ConfigMap.
+        env = {e["name"]: e for e in fetch["env"]}
+        assert "envFrom" not in fetch
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            ref = {"secretKeyRef": {"name": "model-store", "key": name}}
+            assert env[name] == {"name": name, "valueFrom": ref}
+        for name, e in env.items():
+            if "value" in e:
+                assert name == "HOME", name
+            else:
+                [(kind, ref)] = e["valueFrom"].items()
+                allowed = {("secretKeyRef", "model-store"), ("configMapKeyRef", "vllm-model")}
+                assert (kind, ref["name"]) in allowed, name
+                assert kind == "secretKeyRef" or ref["key"] in model_cm["data"] or ref.get("optional") is True
+        assert {"MODEL_SOURCE", "MODEL_MANIFEST_SHA256", "AWS_ENDPOINT_URL"} <= set(env)
+        assert fetch["securityContext"]["allowPrivilegeEscalation"] is False
+        assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
+        assert fetch["resources"]["limits"]["memory"] == fetch["resources"]["requests"]["memory"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_from_pvc_component_mounts_the_volume_instead(overlay: str, tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        # Relative: kustomize refuses absolute paths to kustomizations.
+        "resources": [os.path.relpath(K8S / "overlays" / overlay, tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "model-from-pvc", tmp_path)],
+    }))  # fmt: skip
+    docs = render_dir(tmp_path)
+    validate_all(overlay, docs, "1.33")
+    for t in vllm_templates(overlay, docs):
+        assert "initContainers" not in t["spec"]
+        volumes = {v["name"]: v for v in t["spec"]["volumes"]}
+        pvc = {"claimName": "models", "readOnly": True}
+        assert volumes["models"] == {"name": "models", "persistentVolumeClaim": pvc}
+    # Only the delivery changed: every other object is the overlay's own.
+    def strip(d: dict[str, Any]) -> str:
+        d = json.loads(json.dumps(d))
+        for t in pod_templates(overlay, (d,)):
+            t["spec"].pop("initContainers", None)
+            t["spec"]["volumes"] = [v for v in t["spec"].get("volumes", []) if v["name"] != "models"]
+        return json.dumps(d, sort_keys=True)
+
+    assert sorted(map(strip, docs)) == sorted(map(strip, render(overlay)))

@@ -39,6 +39,9 @@ class RequestError(StrEnum):
     INVALID_RESPONSE_BODY = "invalid_response_body"
     # The endpoint answered 3xx; redirects are not followed; retry: no, point the endpoint at the server.
     ENDPOINT_REDIRECTED = "endpoint_redirected"
+    # Shared mode withdrew the attempt for online traffic; it is sent again and never charged, so
+    # it names only an expired or cancelled request's last attempt; retry: automatic.
+    PREEMPTED_FOR_ONLINE = "preempted_for_online"
 
 
 class ValidationCode(StrEnum):
@@ -84,6 +87,12 @@ class ValidationCode(StrEnum):
     MISSING_MODEL = "missing_model"
     # A line's body.model differs from the first line's, or from the model submitted; retry: no.
     MISMATCHED_MODEL = "mismatched_model"
+    # A field the line's endpoint requires in body is missing (body.input, body.query...); retry: no.
+    MISSING_BODY_FIELD = "missing_body_field"
+    # A body field has a type the line's endpoint does not take (param names it); retry: no.
+    INVALID_BODY_FIELD = "invalid_body_field"
+    # The body asks for stream or background, which a batch cannot return; retry: no, remove it.
+    NOT_SUPPORTED_IN_BATCH = "not_supported_in_batch"
     # A custom_id already appears on an earlier line; retry: no, ids are unique in a batch.
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
     # completion_window is not a positive duration like 24h; retry: no.
@@ -109,6 +118,11 @@ class BatchFailure(StrEnum):
     BATCH_RUN_FAILED = "batch_run_failed"
     # The endpoint does not serve the batch's model; retry: no, fix the model or the endpoint.
     MODEL_NOT_SERVED = "model_not_served"
+    # Shared capacity mode cannot apply: capacity_mode contradicts the deployment, a shared setting
+    # is out of range, or the server does not schedule by priority; retry: no (docs/shared-capacity.md).
+    CAPACITY_MODE_REFUSED = "capacity_mode_refused"
+    # A job-pool value has the wrong shape (over a limit: refused_by_policy); retry: no, fix the pool.
+    INVALID_JOB_POOL = "invalid_job_pool"
     # The endpoint was unreachable at the preflight check or past outage_budget_s; retry: yes, resumes.
     ENDPOINT_UNAVAILABLE = "endpoint_unavailable"
     # Reading a shard or writing checkpoints or outputs kept failing; retry: yes, resumes.

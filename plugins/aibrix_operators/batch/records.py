@@ -13,7 +13,12 @@ from typing import Any
 
 from aibrix_operators.batch.lifecycle import BatchStatus
 
-SUPPORTED_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# OpenAI Batch's endpoints (chat, completions, embeddings, responses) and the pooling ones vLLM's
+# run_batch takes (score, rerank); batch/endpoints.py checks the bodies of the last three.
+SUPPORTED_ENDPOINTS: tuple[str, ...] = (
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+    "/v1/responses", "/v1/score", "/v1/rerank",
+)
 # OpenAI's limits, used as defaults; every one of them is a parameter.
 DEFAULT_MAX_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
@@ -80,6 +85,12 @@ class Usage:
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if prompt is None and completion is None:
+            # /v1/responses counts input/output tokens, under OpenAI's Responses names.
+            prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+            details = usage.get("input_tokens_details")
+            if isinstance(details, dict):
+                self.cached_tokens += _token_count(details.get("cached_tokens"))
         # Fast path (once per answer in the driver): plain non-negative ints, no call.
         if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
             self.input_tokens += prompt

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.prefixes import PrefixSignatures
@@ -395,7 +396,10 @@ def _check_record(
             and report.model is not None and type(body) is dict
             and body.get("model") == report.model and record.get("method") == "POST"
         ):
-            return custom_id
+            # One dict lookup for chat/completions/embeddings; the others check their body too.
+            check = BODY_CHECKS.get(report.endpoint)
+            if check is None or not check(body):
+                return custom_id
     if not isinstance(record, dict):
         err.add(line_no, ValidationCode.INVALID_JSON_LINE,
                 f"line is a JSON {type(record).__name__}, not an object with "
@@ -420,8 +424,11 @@ def _check_record(
     if url is None:
         err.add(line_no, ValidationCode.MISSING_REQUIRED_PARAMETER, "url is missing", "url")
     elif url not in SUPPORTED_ENDPOINTS:
-        err.add(line_no, ValidationCode.INVALID_URL,
-                f"url {echo(url)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", "url")
+        hint = (f"use {VLLM_ALIASES[url]} (vLLM serves {url} too, but a batch names the /v1 endpoint)"
+                if isinstance(url, str) and url in VLLM_ALIASES
+                else f"use one of {', '.join(SUPPORTED_ENDPOINTS)}")
+        err.add(line_no, ValidationCode.INVALID_URL, f"url {echo(url)} is not supported; {hint}", "url")
+        url = None
     elif report.endpoint is None:
         report.endpoint = url
     elif url != report.endpoint:
@@ -445,6 +452,11 @@ def _check_record(
         err.add(line_no, ValidationCode.MISMATCHED_MODEL,
                 f"body.model {echo(model)} differs from {echo(report.model)} (first seen earlier); "
                 "a batch uses one model", "body.model")
+    # The body is checked against the line's own endpoint (a mismatch is reported above).
+    check = BODY_CHECKS.get(url) if isinstance(url, str) else None
+    if check is not None:
+        for code, message, param in check(body):
+            err.add(line_no, code, message, param)
     return custom_id
 
 

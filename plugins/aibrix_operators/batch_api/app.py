@@ -31,6 +31,7 @@ from aibrix_operators.batch_api.batches import (
     API_CONF_KEY,
     check_endpoint,
     check_metadata,
+    check_pool,
     check_window,
     dag_conf,
     first_line_model,
@@ -207,6 +208,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         endpoint = check_endpoint(body.endpoint)
         check_window(body.completion_window)
         metadata = check_metadata(body.metadata)
+        pool_params = check_pool(body.pool, ctx.settings.pool_limits)
         file_id = check_file_id(body.input_file_id, "input_file_id")
         try:
             stored = ctx.files.get(tenant, file_id)
@@ -223,7 +225,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         run_id = run_id_for(tenant, batch_id)
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
                         body.completion_window, metadata, model, route, int(time.time()), digest,
-                        ctx.cache_salt_claim(run_id, tenant))
+                        ctx.cache_salt_claim(run_id, tenant), pool_params)
         row, created = ctx.runs.trigger(run_id, conf)
         if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",
@@ -279,6 +281,9 @@ def _view(ctx: ApiContext, tenant: str, row: RunRow) -> dict[str, Any]:
 
 def _present(ctx: ApiContext, tenant: str, snap: Any) -> dict[str, Any]:
     obj = batch_object(snap)
+    # An extra field beside OpenAI's (the SDK keeps extras: batch.monitor_url): the run's page
+    # in the Airflow UI, for the people who follow a batch there.
+    obj["monitor_url"] = ctx.settings.monitor_url(run_id_for(tenant, snap.batch_id))
     if obj["status"] in TERMINAL:
         _register_outputs(ctx, tenant, snap.batch_id, str(snap.conf.get("output_uri", "")), obj)
     return obj

@@ -12,6 +12,8 @@ import hashlib
 import json
 from typing import Any
 
+from aibrix_operators.batch.error_codes import BatchFailure
+from aibrix_operators.batch.job_pool import JobPool, JobPoolError, JobPoolLimits, PoolLimitExceeded
 from aibrix_operators.batch.records import SUPPORTED_ENDPOINTS, parse_completion_window
 from aibrix_operators.batch_api.errors import bad_request
 from aibrix_operators.batch_api.files import batch_output_uri
@@ -46,6 +48,19 @@ def check_metadata(metadata: Any) -> dict[str, str]:
             raise bad_request(f"metadata values may have at most {MAX_METADATA_VALUE} characters",
                               "metadata", "invalid_metadata")
     return dict(metadata)
+
+
+def check_pool(pool: Any, limits: JobPoolLimits) -> dict[str, Any]:
+    """The ``pool`` extension field (docs/job-pool.md) as the DAG params it sets; 400 for a value
+    of the wrong shape, or over the deployment's limit (named, never clipped)."""
+    try:
+        parsed = JobPool.from_mapping(pool, "pool")
+        parsed.check(limits)
+    except PoolLimitExceeded as exc:
+        raise bad_request(str(exc), "pool", "pool_limit_exceeded") from None
+    except JobPoolError as exc:
+        raise bad_request(str(exc), "pool", BatchFailure.INVALID_JOB_POOL) from None
+    return parsed.as_params()
 
 
 def check_window(window: str) -> int:
@@ -103,9 +118,12 @@ def dag_conf(
     settings: ApiSettings, tenant: str, batch_id: str, input_file_id: str, input_uri: str,
     endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
     created_at: int, digest: str, salt_claim: dict[str, str] | None = None,
+    pool_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     conf: dict[str, Any] = {
         **settings.dag_conf,
+        # The batch's pool, checked against the deployment's limits (check_pool).
+        **(pool_params or {}),
         "input_uri": input_uri,
         "output_uri": batch_output_uri(settings.storage_root, tenant, batch_id),
         "batch_endpoint": endpoint,

@@ -24,7 +24,8 @@ SECTION = config_sections.BATCH
 def build_context() -> ApiContext:
     from airflow.configuration import conf
 
-    settings = load_settings(lambda key: conf.get(SECTION, key, fallback=None), WORK_DIR / "batch-api")
+    settings = load_settings(lambda key: conf.get(SECTION, key, fallback=None), WORK_DIR / "batch-api",
+                             ui_base_url=conf.get("api", "base_url", fallback=None))
     client: Any = None
     if is_s3(settings.storage_root) and settings.aws_conn_id:
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook

@@ -91,6 +91,8 @@ class Batch(BaseModel):
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
     usage: dict[str, Any] | None = None
+    # Not OpenAI's: the Airflow UI page of the batch's run (null when no public URL is set).
+    monitor_url: str | None = None
 
 
 class BatchList(BaseModel):
@@ -108,6 +110,9 @@ class CreateBatch(BaseModel):
     # Checked by hand (batches.check_metadata) so limits answer 400, as OpenAI does.
     metadata: dict[str, Any] | None = None
     output_expires_after: dict[str, Any] | None = None
+    # Not OpenAI's: the job pool (docs/job-pool.md), e.g. {"max_workers": 2, "memory_per_job": "2Gi"};
+    # the SDK sends it with extra_body. Checked by hand (batches.check_pool) to answer 400.
+    pool: dict[str, Any] | None = None
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -10,6 +10,8 @@ DAG param from them, and the DAG checks its own allow-list again on top.
     api_models = gpt-4o-mini=conn:vllm_prod, tiny-llama=http://127.0.0.1:8000
     api_max_file_bytes = 209715200                   # 200 MB, OpenAI's limit
     api_dag_conf = {"concurrency": 64}               # extra DAG params the deployment fixes
+    api_monitor_base_url = https://airflow.example.com  # the UI's public URL in monitor_url;
+                                                     # default: Airflow's [api] base_url
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+from aibrix_operators.batch.job_pool import JobPoolLimits
 from aibrix_operators.batch.records import DEFAULT_MAX_FILE_BYTES
+from aibrix_operators.settings.job_pool import job_pool_limits
 
 DAG_ID = "batch_inference"
 # DAG params a deployment may fix through api_dag_conf; never anything that names a place,
@@ -52,6 +57,17 @@ class ApiSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     dag_conf: dict[str, Any] = field(default_factory=dict)
     dag_id: str = DAG_ID
+    # The Airflow UI's public base URL; None: batch objects carry monitor_url = null.
+    monitor_base_url: str | None = None
+    # Bounds on a batch's ``pool`` (the same [aibrix_batch] pool_* keys the DAG checks).
+    pool_limits: JobPoolLimits = field(default_factory=JobPoolLimits)
+
+    def monitor_url(self, run_id: str) -> str | None:
+        """The Airflow UI page of the batch's run (its grid view): ``{base}/dags/{dag}/runs/{run}``,
+        the route of Airflow 3's UI; the run id is quoted whole (it may hold ``+`` or ``:``)."""
+        if not self.monitor_base_url:
+            return None
+        return f"{self.monitor_base_url}/dags/{quote(self.dag_id, safe='')}/runs/{quote(run_id, safe='')}"
 
 
 def parse_models(text: str | None) -> dict[str, ModelRoute]:
@@ -72,8 +88,13 @@ def parse_models(text: str | None) -> dict[str, ModelRoute]:
     return routes
 
 
-def load_settings(get: Callable[[str], str | None], default_root: Path) -> ApiSettings:
-    """Settings from a config getter (``get("api_models")``); ``default_root`` when unset."""
+def load_settings(get: Callable[[str], str | None], default_root: Path,
+                  ui_base_url: str | None = None) -> ApiSettings:
+    """Settings from a config getter (``get("api_models")``); ``default_root`` when unset.
+
+    ``ui_base_url`` is Airflow's own ``[api] base_url``, the fallback of ``api_monitor_base_url``:
+    a deployment that tells Airflow its public URL need not say it twice; one whose API
+    is reached under another name than its UI (a proxy) sets the key."""
     dag_conf = json.loads(get("api_dag_conf") or "{}")
     unknown = set(dag_conf) - TUNABLE_PARAMS
     if unknown:
@@ -85,4 +106,7 @@ def load_settings(get: Callable[[str], str | None], default_root: Path) -> ApiSe
         models=parse_models(get("api_models")),
         max_file_bytes=int(get("api_max_file_bytes") or DEFAULT_MAX_FILE_BYTES),
         dag_conf=dag_conf,
+        monitor_base_url=((get("api_monitor_base_url") or "").strip() or (ui_base_url or "").strip()
+                          ).rstrip("/") or None,
+        pool_limits=job_pool_limits(get),
     )

@@ -5,6 +5,7 @@ The status comes from ``batch/lifecycle.py``; this module shapes the object a cl
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aibrix_operators.batch.error_codes import BatchFailure
@@ -18,15 +19,23 @@ from aibrix_operators.batch.lifecycle import (
     batch_status,
 )
 from aibrix_operators.batch.records import parse_completion_window
+from aibrix_operators.batch.window_outlook import window_outlook
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
 from aibrix_operators.redact import scrub_addresses
 
 __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
+# The metadata key of the in-progress status line; while the batch runs it takes the place of a
+# client's own key of that name (which batch.json keeps).
+STATUS_LINE_KEY = "aibrix_status"
 
 
-def batch_object(snap: RunSnapshot) -> dict[str, Any]:
-    """The Batch object, OpenAI's fields in OpenAI's order; ids are the API's, never URIs."""
+def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
+    """The Batch object, OpenAI's fields in OpenAI's order; ids are the API's, never URIs.
+
+    While it is in progress, ``metadata`` also holds ``aibrix_status``: whether the batch will
+    finish in its window at the rate measured so far (``batch/window_outlook.py``, the same
+    judgement as the drivers' AT RISK lines, over the whole batch)."""
     api = snap.conf.get(API_CONF_KEY, {})
     published = snap.batch_json or {}
     status = batch_status(snap)
@@ -87,9 +96,22 @@ def batch_object(snap: RunSnapshot) -> dict[str, Any]:
         "cancelling_at": snap.cancel_at,
         "cancelled_at": published.get("cancelled_at") if status == BatchStatus.CANCELLED else None,
         "request_counts": {k: int(counts.get(k, 0)) for k in ("total", "completed", "failed")},
-        "metadata": snap.conf.get("metadata") or None,
+        "metadata": _metadata(snap, status, counts, in_progress_at, created_at, window, now),
         "usage": published.get("usage") if status in TERMINAL else None,
     }
+
+
+def _metadata(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int], in_progress_at: int | None,
+              created_at: int, window: str, now: float | None) -> dict[str, str] | None:
+    metadata = dict(snap.conf.get("metadata") or {})
+    if status == BatchStatus.IN_PROGRESS and in_progress_at and created_at and snap.live_counts is not None:
+        now = time.time() if now is None else now
+        answered = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
+        outlook = window_outlook(int(counts.get("total", 0)) - answered, answered, now - in_progress_at,
+                                 created_at + parse_completion_window(window) - now)
+        if outlook is not None:
+            metadata[STATUS_LINE_KEY] = outlook.line()
+    return metadata or None
 
 
 def _finalizing_since(merge: list[TaskState], dispatch: list[TaskState]) -> int | None:

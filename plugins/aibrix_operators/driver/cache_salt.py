@@ -1,4 +1,4 @@
-"""The batch's ``cache_salt`` on every generation request.
+"""The batch's ``cache_salt`` on every request whose endpoint takes one.
 
 vLLM shares prefix-cache blocks (and this project's kvcache tiers key them) only between
 requests with the same ``cache_salt``, so a salt per tenant means one tenant can neither read
@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-# The endpoints whose vLLM request schema has ``cache_salt`` (embeddings has none).
-SALTED_URLS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# The endpoints whose vLLM (0.32) request schema has ``cache_salt``: the generating ones, and the
+# pooling ones (PoolingBasicRequestMixin: embeddings, score, rerank). A pooling model with causal
+# attention reuses cached prefixes like a generating one; an encoder-only one (BERT, MiniLM) has no
+# prefix cache, where the salt costs nothing. docs/trust.md, "cache_salt per endpoint".
+SALTED_URLS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses",
+    "/v1/embeddings", "/v1/score", "/v1/rerank",
+})
 MAX_SALT_CHARS = 128
 
 

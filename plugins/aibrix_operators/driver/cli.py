@@ -47,6 +47,7 @@ import signal
 import sys
 from typing import Any
 
+from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="vLLM cache_salt for every chat/completions request; a line's own is "
                            "kept under it (SALT:own). Requests share cached prefixes only with "
                            "the same salt (the Batch API sets one per tenant)")
+    send.add_argument("--shared-capacity", default=None, metavar="JSON",
+                      help="shared capacity mode: the endpoint also serves online traffic; requests "
+                           "carry the batch priority and an adaptive limit (at most --concurrency) "
+                           "paces them. JSON of the deployment's settings (docs/shared-capacity.md)")
     send.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                       help="requests in flight (default: %(default)s)")
     send.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -169,6 +174,7 @@ def config_from(args: argparse.Namespace) -> DriverConfig:
         probe_interval_s=args.probe_interval, outage_budget_s=args.outage_budget,
         checkpoint_retry_s=args.checkpoint_retry, max_unflushed=args.max_unflushed,
         cancel_uri=args.cancel_uri, cache_salt=args.cache_salt or None,
+        capacity=SharedCapacity.from_json(args.shared_capacity) if args.shared_capacity else None,
     )
 
 

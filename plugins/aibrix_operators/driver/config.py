@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.trust import endpoint_form_problem, under_base
 
@@ -54,6 +55,10 @@ class DriverConfig:
     # sets one per tenant. None: the lines' own, if any.
     cache_salt: str | None = None
     cancel_poll_s: float = 1.0
+    # Shared capacity mode (capacity/): the endpoint also serves online traffic, so requests carry
+    # the deployment's batch priority and an adaptive limit per endpoint paces them (at most
+    # ``concurrency``). None: dedicated, ``concurrency`` requests in flight throughout.
+    capacity: SharedCapacity | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

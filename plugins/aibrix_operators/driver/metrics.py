@@ -96,6 +96,8 @@ class DriverCollector(Collector):
                     totals[key] += value
             totals["in_flight"] = sum(c.started - c.completed - c.failed for c in self._live)
             totals["running"] = len(self._live)
+            totals["at_risk"] = sum(1 for c in self._live
+                                    if getattr(getattr(c, "progress", None), "at_risk", False))
             return totals
 
     def collect(self) -> Iterator[Any]:
@@ -123,6 +125,9 @@ class DriverCollector(Collector):
                                   "Seconds sending was paused for an endpoint outage.", value=t["paused_s"])
         yield CounterMetricFamily("aibrix_driver_shards_finished", "Shards finished by this process.",
                                   value=t["shards"])
+        yield GaugeMetricFamily("aibrix_driver_shards_at_risk", "Running shards that will not finish in "
+                                "their batch's window at the throughput measured so far.", value=t["at_risk"])
+        yield from _shared_capacity_families()
         latency = LatencyBuckets()
         with self._lock:
             latency.merge(self._latency)
@@ -131,6 +136,35 @@ class DriverCollector(Collector):
         yield HistogramMetricFamily("aibrix_driver_request_duration_seconds",
                                     "Time from first send to the request's result line, retries included.",
                                     buckets=latency.cumulative(), sum_value=latency.total)
+
+
+def _shared_capacity_families() -> Iterator[Any]:
+    """Shared mode: each endpoint controller's limit, load view and decisions (capacity/)."""
+    from aibrix_operators.capacity.controller import REGISTRY as CONTROLLERS
+
+    labels = ["endpoint"]
+    limit = GaugeMetricFamily("aibrix_driver_shared_limit", "Batch requests the endpoint may hold now.",
+                              labels=labels)
+    in_flight = GaugeMetricFamily("aibrix_driver_shared_in_flight", "Batch requests out at the endpoint.",
+                                  labels=labels)
+    waiting = GaugeMetricFamily("aibrix_driver_shared_waiting_for_permit",
+                                "Batch requests held back by the limit.", labels=labels)
+    online = GaugeMetricFamily("aibrix_driver_shared_online_requests",
+                               "Online requests the endpoint serves, as the controller estimates them.",
+                               labels=labels)
+    decisions = CounterMetricFamily("aibrix_driver_shared_decisions",
+                                    "Controller ticks by the reason of the limit they set (back-off, "
+                                    "growth).",
+                                    labels=["endpoint", "reason"])
+    for controller in CONTROLLERS.live():
+        state, endpoint = controller.state(), [controller.base_url]
+        limit.add_metric(endpoint, state["limit"])
+        in_flight.add_metric(endpoint, state["in_flight"])
+        waiting.add_metric(endpoint, state["waiting"])
+        online.add_metric(endpoint, state["online"])
+        for reason, ticks in state["reasons"].items():
+            decisions.add_metric([controller.base_url, reason], ticks)
+    yield from (limit, in_flight, waiting, online, decisions)
 
 
 def _snapshot(c: Any) -> dict[str, float]:

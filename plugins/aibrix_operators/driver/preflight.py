@@ -16,6 +16,8 @@ import aiohttp
 
 from aibrix_operators.batch.jsonfast import dumps, loads
 from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.serving.scheduling_policy import HEADER as POLICY_HEADER
+from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as POLICY_MIDDLEWARE
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +30,20 @@ class ModelNotServed(Exception):
     """The server is up but does not serve the batch's model (retrying will not help)."""
 
 
-async def _list_models(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    """The /v1/models listing; ``None`` when the server does not offer one."""
+class SharedModeRefused(ModelNotServed):
+    """Shared mode against a server that does not schedule by priority (retrying will not help)."""
+
+
+async def _list_models(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The /v1/models listing (``None`` when the server does not offer one) and the scheduling
+    policy the server reports (serving/scheduling_policy.py; ``None`` when it reports none)."""
     async with session.get(url, allow_redirects=False) as resp:  # the key stays with the endpoint
         if resp.status >= 500 or resp.status in (408, 429):
             raise EndpointUnavailable(f"{url} answered HTTP {resp.status}; the server is not ready")
+        policy = resp.headers.get(POLICY_HEADER)
         if resp.status != 200:
-            return None  # not every OpenAI-compatible server lists models; don't block on it
-        return await resp.json(content_type=None)
+            return None, policy  # not every OpenAI-compatible server lists models; don't block on it
+        return await resp.json(content_type=None), policy
 
 
 async def probe_endpoint(
@@ -68,8 +76,13 @@ async def probe_endpoint(
 
 
 def _one_token(url: str, payload: bytes) -> bytes:
+    if url.endswith("/v1/responses"):
+        # The Responses API names its limit max_output_tokens (and has no n).
+        body = loads(payload)
+        body.update(max_output_tokens=1, stream=False)
+        return dumps(body)
     if not url.endswith("completions"):
-        return payload  # embeddings: already one cheap step
+        return payload  # embeddings, score, rerank: already one cheap step
     body = loads(payload)
     body.pop("max_completion_tokens", None)
     body.update(max_tokens=1, n=1, stream=False)
@@ -84,7 +97,7 @@ async def check_endpoint(config: DriverConfig, model: str | None, wait_s: float 
     async with aiohttp.ClientSession(timeout=timeout, headers=config.headers()) as session:
         while True:
             try:
-                listing = await _list_models(session, url)
+                listing, policy = await _list_models(session, url)
                 break
             except (aiohttp.ClientError, TimeoutError, EndpointUnavailable) as exc:
                 if time.monotonic() >= deadline:
@@ -97,6 +110,14 @@ async def check_endpoint(config: DriverConfig, model: str | None, wait_s: float 
                     log.info("waiting for %s to come up (%s)", config.base_url, type(exc).__name__)
                     next_note = time.monotonic() + 10
                 await asyncio.sleep(1.0)
+    if config.capacity is not None and policy != "priority":
+        says = f"reports scheduling policy {policy!r}" if policy else "does not report its scheduling policy"
+        raise SharedModeRefused(
+            f"{config.base_url} is declared shared with online traffic, but it {says}: "
+            "batch requests would not yield to online ones. Start vLLM with --scheduling-policy priority "
+            f"--middleware {POLICY_MIDDLEWARE} (the router: --online-first), or remove the endpoint from "
+            "[aibrix_batch] shared_endpoints"
+        )
     if listing is None:
         return
     served = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]

@@ -25,6 +25,8 @@ from aibrix_operators.batch.error_codes import RequestError, http_code
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
 from aibrix_operators.batch.records import Usage, error_record, success_record
+from aibrix_operators.capacity import controller as shared_capacity
+from aibrix_operators.capacity.controller import EndpointController, ShardDemand
 from aibrix_operators.driver.cache_salt import salted_body
 from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
@@ -33,6 +35,7 @@ from aibrix_operators.driver.health import EndpointHealth
 from aibrix_operators.driver.metrics import COLLECTOR as METRICS
 from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve_from_env
 from aibrix_operators.driver.preflight import probe_endpoint
+from aibrix_operators.driver.priority import prioritized_body
 from aibrix_operators.driver.progress import ProgressReporter
 from aibrix_operators.driver.results import ResultLog, fingerprint_shard
 from aibrix_operators.driver.retry import (
@@ -48,6 +51,15 @@ from aibrix_operators.redact import scrub_addresses, scrub_json
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+# Answers that say the endpoint (or the router shedding batch first) has no room: shared mode's
+# limit halves on them.
+SHED_STATUS = frozenset({429, 503})
+
+
+def _capacity_detail(counters: _Counters) -> str:
+    return "" if counters.capacity is None else " " + counters.capacity.describe()
 
 
 class ShardChanged(Exception):
@@ -87,6 +99,9 @@ class _Counters:
         self.started = 0
         self.latency = LatencyBuckets()
         self.health: EndpointHealth | None = None
+        self.capacity: EndpointController | None = None  # shared mode's controller
+        self.demand: ShardDemand | None = None
+        self.progress: ProgressReporter | None = None  # its at_risk is a metric
 
 
 async def run_shard(
@@ -130,12 +145,18 @@ async def run_shard(
     counters = _Counters()
     serve_from_env()
     METRICS.track(counters)
-    progress = ProgressReporter(name, total, config.progress_interval_s, already_done=len(done))
+    progress = ProgressReporter(name, total, config.progress_interval_s, already_done=len(done),
+                                deadline=config.deadline, detail=lambda: _capacity_detail(counters))
+    counters.progress = progress
     writer = CheckpointWriter(
         result_log, retry_timeout_s=config.checkpoint_retry_s,
         max_unflushed=max(config.max_unflushed, config.concurrency),
     )
     try:
+        if config.capacity is not None:
+            counters.capacity, counters.demand = shared_capacity.join(
+                config.base_url, config.capacity, config.concurrency, config.headers(), config.deadline,
+                total - len(done))
         cancel = CancelWatch(storage, config.cancel_uri, config.cancel_poll_s)
         with storage.open_read(shard_uri) as src:
             if warm_up:
@@ -155,6 +176,8 @@ async def run_shard(
         outcome.usage = counters.usage.as_dict()
         outcome.checkpoint_write_retries = writer.write_retries
         progress.report(counters.completed, counters.failed, final=True)
+        if counters.capacity is not None and counters.demand is not None:
+            await shared_capacity.leave(counters.capacity, counters.demand)
         METRICS.finish(counters)
         await asyncio.to_thread(push_from_env)
     return outcome
@@ -269,6 +292,9 @@ async def _worker(
 
 def _keep_answer(record: dict[str, Any], line: dict[str, Any], counters: _Counters, result_log: Any) -> None:
     """Count a request's output line and buffer it for the checkpoint writer."""
+    if (demand := counters.demand) is not None:  # shared mode: what the shard has left, for urgency
+        demand.done += 1
+        demand.remaining -= 1
     try:
         data = dumps(line)
     except TypeError as exc:  # a body orjson cannot write back: the request still gets a line
@@ -343,13 +369,19 @@ class _Sender:
         self.counters = counters
         self.health = health
         self.base_url = config.base_url
+        # Shared mode: the endpoint's limiter (shared by every shard sending there) and priority.
+        self.capacity = counters.capacity
+        self.limiter = counters.capacity.limiter if counters.capacity is not None else None
+        self.priority = config.capacity.batch_priority if config.capacity is not None else None
+        self.deadline_key = config.deadline if config.deadline is not None else float("inf")
 
     async def send(self, record: dict[str, Any]) -> dict[str, Any]:
         """The request's result line: a success, or an error that belongs to the request."""
         custom_id = record["custom_id"]
         url = self.base_url + record["url"]
-        payload = dumps(salted_body(record["body"], self.config.cache_salt, record["url"]))
-        cfg, health = self.config, self.health
+        payload = dumps(prioritized_body(salted_body(record["body"], self.config.cache_salt, record["url"]),
+                                         self.priority))
+        cfg, health, limiter = self.config, self.health, self.limiter
         charged = 0  # failed attempts charged to this request
         attempts = 0
         # health.successes at the start of the previous and of the current attempt
@@ -363,23 +395,38 @@ class _Sender:
                 return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
             if cfg.deadline is not None and time.time() >= cfg.deadline:
                 return _expired(custom_id, last)
+            if limiter is not None and not limiter.try_acquire() and not await self._wait_for_permit():
+                return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
             prev_mark, cur_mark = cur_mark, health.successes
             attempts += 1
             # The request inline, not in a helper coroutine: this runs once per request. A
             # redirect is the endpoint's answer, never a place to send the body (and the key).
-            try:
-                async with self.session.post(url, data=payload, allow_redirects=False) as resp:
-                    raw = await resp.read()
-                    result = self._classify(custom_id, resp.status, raw, resp.headers)
-            except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
-                result = _transport_failure(custom_id, exc)
+            if limiter is None:
+                try:
+                    async with self.session.post(url, data=payload, allow_redirects=False) as resp:
+                        raw = await resp.read()
+                        result = self._classify(custom_id, resp.status, raw, resp.headers)
+                except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
+                    result = _transport_failure(custom_id, exc)
+            else:
+                result = await self._shared_attempt(custom_id, url, payload)
+                if result is None:  # withdrawn for online traffic: send it again, uncharged
+                    last = _Failure(RequestError.PREEMPTED_FOR_ONLINE, "withdrawn for online traffic",
+                                    backpressure=True)
+                    self.counters.retries += 1
+                    continue
             if isinstance(result, dict):
                 health.answered()
                 if result["error"] is None:
                     health.canary = (url, payload)
                 return result
             last = result
-            health.failed(result.code)
+            if self.capacity is not None and result.status in SHED_STATUS:
+                self.capacity.note_backpressure()
+            if self.capacity is None or not result.backpressure:
+                # Shared mode expects 429s (a router shedding batch first): an endpoint that says
+                # "not now" is alive, and the controller, not the outage breaker, slows down.
+                health.failed(result.code)
             if not result.backpressure:
                 charged += 1
                 if charged >= cfg.max_attempts:
@@ -412,6 +459,56 @@ class _Sender:
             cancelled.cancel()
             waiter.cancel()
         return waiter.done() and not waiter.cancelled() and waiter.result() and not self.cancel.cancelled
+
+    async def _shared_attempt(
+        self, custom_id: str, url: str, payload: bytes
+    ) -> dict[str, Any] | _Failure | None:
+        """One attempt holding a permit, as a task the controller can take back (``None``)."""
+        assert self.limiter is not None
+        limiter = self.limiter
+        attempt = asyncio.ensure_future(self._post(custom_id, url, payload))
+        limiter.track(attempt)
+        try:
+            return await attempt
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if attempt.cancelled() and limiter.untrack(attempt) and not (current and current.cancelling()):
+                return None
+            raise
+        finally:
+            limiter.untrack(attempt)
+            limiter.release()
+
+    async def _post(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | _Failure:
+        try:
+            async with self.session.post(url, data=payload, allow_redirects=False) as resp:
+                raw = await resp.read()
+                return self._classify(custom_id, resp.status, raw, resp.headers)
+        except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
+            return _transport_failure(custom_id, exc)
+
+    async def _wait_for_permit(self) -> bool:
+        """Shared mode, no permit free: queue for one (earliest deadline first); ``False`` when
+        the deadline or a cancel came first."""
+        assert self.limiter is not None
+        permit = asyncio.ensure_future(self.limiter.acquire(self.deadline_key))
+        cancelled = asyncio.ensure_future(self.cancel.requested.wait())
+        try:
+            await asyncio.wait((permit, cancelled), timeout=self._until_deadline(),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if permit.done() and not permit.cancelled() and permit.exception() is None:
+            if not self.cancel.cancelled:
+                return True
+            self.limiter.release()
+            return False
+        permit.cancel()  # the limiter hands a permit granted meanwhile on to the next waiter
+        try:
+            await permit
+        except asyncio.CancelledError:
+            pass
+        return False
 
     async def _sleep_unless_cancelled(self, seconds: float) -> None:
         try:

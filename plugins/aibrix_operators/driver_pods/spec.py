@@ -125,6 +125,8 @@ class DriverPodRequest:
     service_account: str | None = None
     cancel_uri: str | None = None  # the run's cancel marker (driver/cancel.py), watched by the pod
     cache_salt: str | None = None  # vLLM cache_salt on every request (driver/cache_salt.py)
+    capacity_json: str | None = None  # shared mode's settings (capacity/mode.py); None: dedicated
+    memory: str | None = None  # the batch's memory_per_job: request and limit; None: the settings'
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,8 @@ def build_driver_pod(
         args += ["--cancel-uri", req.cancel_uri]
     if req.cache_salt:
         args += [f"--cache-salt={req.cache_salt}"]  # one token: a salt may start with "-"
+    if req.capacity_json:
+        args += [f"--shared-capacity={req.capacity_json}"]
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # progress lines as they happen
     if settings.s3_secret:
         env += [_secret_env(name, settings.s3_secret, name, optional) for name, optional in S3_SECRET_KEYS]
@@ -224,8 +228,12 @@ def build_driver_pod(
             for name, optional in INFERENCE_SECRET_KEYS
         ]
     env, ports, annotations = _metrics(settings, env)
-    resources = {"requests": {"cpu": settings.cpu_request, "memory": settings.memory_request}}
-    limits = {k: v for k, v in (("cpu", settings.cpu_limit), ("memory", settings.memory_limit)) if v}
+    # A batch's memory_per_job is both request and limit: what the pod is scheduled with is what
+    # it may use (Guaranteed memory, as AIBrix's job pool sizes a job).
+    memory_request = req.memory or settings.memory_request
+    memory_limit = req.memory or settings.memory_limit
+    resources = {"requests": {"cpu": settings.cpu_request, "memory": memory_request}}
+    limits = {k: v for k, v in (("cpu", settings.cpu_limit), ("memory", memory_limit)) if v}
     if limits:
         resources["limits"] = limits
     return DriverPod(

@@ -27,6 +27,7 @@ from aibrix_operators.batch.job import (
     validate_batch,
     work_prefix,
 )
+from aibrix_operators.batch.job_pool import JobPool, JobPoolError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
 from aibrix_operators.batch.records import (
@@ -40,6 +41,7 @@ from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
+from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
@@ -74,12 +76,14 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
     :param inference_conn_id: Airflow connection of the inference server (host and key). (templated)
     :param prefix_grouping: ``auto`` groups requests sharing a prompt prefix into shards; ``off``
         keeps input order. (templated)
+    :param job_pool: The batch's job-pool values (``batch/job_pool.py`` keys), checked against the
+        deployment's ``pool_*`` limits before anything is read. (templated)
     """
 
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
-        "endpoint", "inference_conn_id", "prefix_grouping",
+        "endpoint", "inference_conn_id", "prefix_grouping", "job_pool",
     )
 
     def __init__(
@@ -98,9 +102,11 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         endpoint: str | None = None,
         inference_conn_id: str | None = None,
         prefix_grouping: str = "auto",
+        job_pool: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.job_pool = job_pool
         self.expected_model = expected_model
         # "auto": group requests with shared prefixes into shards (batch/prefixes.py); "off".
         self.prefix_grouping = prefix_grouping
@@ -129,6 +135,11 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
                 endpoint=self.endpoint, inference_conn_id=self.inference_conn_id,
             )
             resolve_inference(policy, self.endpoint, self.inference_conn_id)
+            pool = JobPool.from_mapping({k: v for k, v in (self.job_pool or {}).items()
+                                         if v is not None and v != ""})
+            pool.check(load_job_pool_limits())
+        except JobPoolError as exc:
+            self._fail(context, batch_id, metadata, BatchFailure.INVALID_JOB_POOL, str(exc), output_refusal)
         except TrustViolation as exc:
             for line in describe(policy):
                 log.info("%s", line)

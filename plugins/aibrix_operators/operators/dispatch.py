@@ -19,6 +19,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, run_shard_of_batch, work_prefix
+from aibrix_operators.batch.job_pool import JobPool
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, salt_for_run
@@ -31,8 +32,11 @@ from aibrix_operators.driver_pods.outcome import DriverPodFailure
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.operators.batch_metrics import shard_finished
+from aibrix_operators.operators.shard_turns import wait_for_turn
 from aibrix_operators.operators.step_errors import records_step_error
+from aibrix_operators.settings.capacity import capacity_for
 from aibrix_operators.settings.driver_pods import load_driver_pod_settings
+from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
@@ -148,12 +152,19 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         (templated)
     :param cache_salt: vLLM ``cache_salt`` on every generation request, sent as ``param:<salt>``; a
         Batch API run's salt is derived from the claim in its conf instead. (templated)
+    :param capacity_mode: Empty (the deployment's mode for the endpoint), ``shared`` or ``dedicated``;
+        only a restatement of ``[aibrix_batch] shared_endpoints`` (docs/shared-capacity.md). (templated)
+    :param max_workers: Shards of this batch dispatched at once; empty: no cap of the batch's own
+        (``operators/shard_turns.py``). (templated)
+    :param memory_per_job: kubernetes mode: the driver pod's memory request and limit; empty: the
+        deployment's ``driver_memory_*``. (templated)
     """
 
     template_fields: Sequence[str] = (
         "shard", "validated", "endpoint", "concurrency", "max_attempts", "request_timeout_s",
         "execution_mode", "aws_conn_id", "endpoint_wait_s", "inference_conn_id", "outage_budget_s",
-        "kubernetes_namespace", "kubernetes_service_account", "cache_salt",
+        "kubernetes_namespace", "kubernetes_service_account", "cache_salt", "capacity_mode",
+        "max_workers", "memory_per_job",
     )
 
     def __init__(
@@ -173,6 +184,9 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         kubernetes_namespace: str | None = None,
         kubernetes_service_account: str | None = None,
         cache_salt: str | None = None,
+        capacity_mode: str | None = None,
+        max_workers: int | None = None,
+        memory_per_job: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -190,9 +204,18 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         self.kubernetes_namespace = kubernetes_namespace
         self.kubernetes_service_account = kubernetes_service_account
         self.cache_salt = cache_salt
+        self.capacity_mode = capacity_mode
+        self.max_workers = max_workers
+        self.memory_per_job = memory_per_job
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        # Before anything else, and outside records_step_error: a shard waiting for its turn
+        # (a reschedule) has not failed.
+        wait_for_turn(context["ti"], int(self.max_workers) if self.max_workers else None)
+        return self._dispatch(context)
 
     @records_step_error("dispatch")
-    def execute(self, context: Context) -> dict[str, Any]:
+    def _dispatch(self, context: Context) -> dict[str, Any]:
         if self.execution_mode == "kubernetes":
             request = self._pod_request(context)
             # Defers (raises TaskDeferred) unless a reattached pod has already finished.
@@ -205,6 +228,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             # Checked again here, not only in validate: this is where the requests leave.
             target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
             cache_salt = self._batch_salt(context)
+            capacity = capacity_for(target.endpoint, self.capacity_mode or None)
             # The worker's own environment never supplies a key (api_key_env=None): a key
             # comes only from the inference connection and is bound to its host.
             config = DriverConfig(
@@ -212,7 +236,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
                 max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
                 deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
                 api_key_origin=target.api_key_origin, outage_budget_s=float(self.outage_budget_s),
-                cache_salt=cache_salt,
+                cache_salt=cache_salt, capacity=capacity,
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
@@ -270,6 +294,10 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             # Checked again here, not only in validate: this is where the requests leave.
             target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
             cache_salt = self._batch_salt(context)
+            capacity = capacity_for(target.endpoint, self.capacity_mode or None)
+            memory = self.memory_per_job or None
+            if memory is not None:  # checked again where it is used, as in validate
+                JobPool(memory_per_job=memory).check(load_job_pool_limits())
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
         if target.api_key:
@@ -296,7 +324,8 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
             endpoint_wait_s=float(self.endpoint_wait_s), outage_budget_s=float(self.outage_budget_s),
             namespace=namespace, service_account=service_account, cancel_uri=cancel_marker_uri(work),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, capacity_json=capacity.to_json() if capacity is not None else None,
+            memory=memory,
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from airflow.sdk import Param
 
 from aibrix_operators.airflow_recovery import dispatch_retry_policy
+from aibrix_operators.batch.job_pool import KEYS as POOL_KEYS
 from aibrix_operators.batch.lifecycle import Step
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
@@ -71,6 +72,23 @@ BATCH_PARAMS: dict[str, Param] = {
     ),
     "concurrency": Param(64, type="integer", minimum=1, maximum=4096,
                          description="Requests in flight per shard."),
+    # The job pool (batch/job_pool.py, docs/job-pool.md): AIBrix's pool keys, bounded by the
+    # deployment's [aibrix_batch] pool_* limits.
+    "max_workers": Param(
+        None, type=["null", "integer"], minimum=1,
+        description="Shards of this batch dispatched at once; the others wait without a worker slot. "
+        "Empty: as many as the dispatch pool allows. At most [aibrix_batch] pool_max_workers.",
+    ),
+    "memory_per_job": Param(
+        None, type=["null", "string"], maxLength=32,
+        description="kubernetes mode: each driver pod's memory request and limit (e.g. 2Gi). Empty: the "
+        "deployment's driver_memory_*. At most [aibrix_batch] pool_max_memory_per_job.",
+    ),
+    "gpu_policy": Param(
+        None, type=["null", "string"], enum=[None, "", "pack", "spread"],
+        description="How the serving group's pods are placed: pack (fill a node) or spread (across "
+        "nodes). The deployment's choice ([aibrix_batch] gpu_policy); only a restatement of it.",
+    ),
     "max_attempts": Param(5, type="integer", minimum=1, maximum=20,
                           description="Attempts per request on 429/5xx/timeouts."),
     "endpoint_wait_s": Param(
@@ -88,6 +106,13 @@ BATCH_PARAMS: dict[str, Param] = {
         description="vLLM cache_salt added to every chat/completions request, as param:<salt> (a "
         "line's own is kept under it): requests share cached prompt prefixes only with the same "
         "salt. Batch API runs get their tenant's salt instead; empty: the lines' own.",
+    ),
+    "capacity_mode": Param(
+        None, type=["null", "string"], enum=[None, "", "shared", "dedicated"],
+        description="Empty: the deployment's mode for the endpoint. shared: the endpoint also serves "
+        "online traffic, so batch requests yield to it (priority, adaptive concurrency); dedicated: the "
+        "batch may use all of it. Only a restatement of the deployment's [aibrix_batch] shared_endpoints; "
+        "anything else is refused (docs/shared-capacity.md).",
     ),
     "completion_window": Param(
         "24h", type="string", pattern="^[0-9]+[hms]$",
@@ -161,7 +186,7 @@ def add_batch_tasks(
         max_file_bytes=a["max_file_bytes"], max_line_bytes=a["max_line_bytes"],
         completion_window=a["completion_window"], metadata=a["metadata"], aws_conn_id=a["aws_conn_id"],
         endpoint=a["endpoint"], inference_conn_id=a["inference_conn_id"],
-        prefix_grouping=a["prefix_grouping"],
+        prefix_grouping=a["prefix_grouping"], job_pool={k: a[k] for k in POOL_KEYS},
     )  # fmt: skip
     split = SplitBatchOperator(
         task_id=Step.SPLIT.value, validated=validate.output, requests_per_shard=a["requests_per_shard"],
@@ -171,10 +196,11 @@ def add_batch_tasks(
         task_id=Step.DISPATCH.value, validated=validate.output, endpoint=a["endpoint"],
         inference_conn_id=a["inference_conn_id"], concurrency=a["concurrency"],
         max_attempts=a["max_attempts"], request_timeout_s=a["request_timeout_s"],
-        cache_salt=a["cache_salt"], endpoint_wait_s=a["endpoint_wait_s"],
+        cache_salt=a["cache_salt"], capacity_mode=a["capacity_mode"], endpoint_wait_s=a["endpoint_wait_s"],
         outage_budget_s=a["outage_budget_s"], execution_mode=a["execution_mode"],
         kubernetes_namespace=a["kubernetes_namespace"],
         kubernetes_service_account=a["kubernetes_service_account"], aws_conn_id=a["aws_conn_id"],
+        max_workers=a["max_workers"], memory_per_job=a["memory_per_job"],
         # Bounds concurrent dispatch tasks, and so driver pods (create it with --include-deferred:
         # a deferred task waiting on its pod must keep its slot). default_pool unless configured.
         pool=dispatch_pool(),

@@ -20,6 +20,8 @@ STEP_ERROR_KEY = "step_error"
 # Exception class names (matched by name along the cause chain, so this module needs
 # none of the modules that define them) → the code a user sees in batch.json.
 _CODES = {
+    "SharedModeRefused": BatchFailure.CAPACITY_MODE_REFUSED,
+    "CapacityRefused": BatchFailure.CAPACITY_MODE_REFUSED,
     "ModelNotServed": BatchFailure.MODEL_NOT_SERVED,
     "EndpointUnavailable": BatchFailure.ENDPOINT_UNAVAILABLE,
     "EndpointOutage": BatchFailure.ENDPOINT_UNAVAILABLE,

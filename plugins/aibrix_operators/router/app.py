@@ -8,12 +8,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .admission import Admission
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK, PrefixAffinity
 from .backends import DECODE, PREFILL, Backend, BackendPool
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .proxy import Proxy, openai_error
 from .requests import CHAT, COMPLETIONS
+
+POLICY_HEADER = "x-aibrix-scheduling-policy"  # what serving/scheduling_policy.py reports for vLLM
 
 POOL = web.AppKey("pool", BackendPool)
 METRICS = web.AppKey("metrics", RouterMetrics)
@@ -32,6 +35,7 @@ def build_app(
     prefix_affinity: bool = True,
     affinity_entries: int = DEFAULT_ENTRIES,
     affinity_slack: float = DEFAULT_SLACK,
+    admission: Admission | None = None,
 ) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     pool = BackendPool(backends)
@@ -39,6 +43,8 @@ def build_app(
     affinity = PrefixAffinity(affinity_entries, affinity_slack) if prefix_affinity else None
     app[POOL] = pool
     app[METRICS] = metrics
+    if admission is not None:
+        metrics.watch_admission(admission)
 
     async def startup(app: web.Application) -> None:
         # No connection cap: the batch driver bounds concurrency; keep-alive connections
@@ -49,7 +55,8 @@ def build_app(
         )  # fmt: skip
         app[SESSION] = session
         app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s,
-                             body_timeout_s=body_timeout_s, affinity=affinity)  # fmt: skip
+                             body_timeout_s=body_timeout_s, affinity=affinity,
+                             admission=admission)  # fmt: skip
         checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns)
         app[CHECKER] = checker
         await checker.refresh()  # serve with a known pool from the first request
@@ -90,7 +97,15 @@ def build_app(
                 async with app[SESSION].get(
                     backend.url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
                 ) as r:
-                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+                    resp = web.Response(status=r.status, body=await r.read(), content_type="application/json")
+                    # "priority" only when both hold: the router forwards online requests first and
+                    # the instance schedules by priority too (a batch request already forwarded
+                    # must still yield inside vLLM).
+                    backend_policy = r.headers.get(POLICY_HEADER)
+                    if backend_policy is not None:
+                        ours = backend_policy if admission is not None else "router-fcfs"
+                        resp.headers[POLICY_HEADER] = ours
+                    return resp
             except (aiohttp.ClientError, TimeoutError, OSError):
                 continue
         return openai_error(503, "no healthy instance", "no_instance")

@@ -17,6 +17,7 @@ import os
 import sys
 
 from . import serve
+from .admission import Admission
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK
 from .app import build_app
 from .backends import DECODE, PREFILL, parse_backend
@@ -109,17 +110,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="open client connections at most; past it a new one is answered 503 and closed, so one "
         "client cannot hold every socket (default: %(default)s)",
     )
+    p.add_argument(
+        "--online-first",
+        type=int,
+        default=int(env("ROUTER_ONLINE_FIRST", "0")),
+        metavar="N",
+        help="forward at most N requests at once; when full, online requests go first and batch ones "
+        "are answered 429 (the batch driver retries them). 0: off, every request forwarded at once "
+        "(docs/shared-capacity.md)",
+    )
+    p.add_argument(
+        "--batch-queue",
+        type=int,
+        default=int(env("ROUTER_BATCH_QUEUE", "256")),
+        help="batch requests that may wait for a slot; more are shed at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-wait-s",
+        type=float,
+        default=float(env("ROUTER_BATCH_WAIT_S", "5")),
+        help="seconds a batch request may wait for a slot before it is shed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--online-priority",
+        type=int,
+        default=int(env("ROUTER_ONLINE_PRIORITY", "0")),
+        help="without --class-header, a request whose body's priority is above this is batch "
+        "(default: %(default)s, vLLM's default)",
+    )
+    p.add_argument(
+        "--class-header",
+        default=env("ROUTER_CLASS_HEADER") or None,
+        help="a header the deployment's gateway sets (and overwrites) to 'batch' or 'online'; when "
+        "given, it alone decides the class",
+    )
+    p.add_argument(
+        "--preempt-batch",
+        choices=("on", "off"),
+        default=env("ROUTER_PREEMPT_BATCH", "on"),
+        help="with --online-first: an online request that finds the router full takes the newest "
+        "forwarded batch request's slot (its upstream call is cancelled, so vLLM aborts it; the client "
+        "gets 429 batch_shed and sends it again). Streamed answers are never taken back (default: on)",
+    )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
     if args.idle_timeout_s <= 0 or args.body_timeout_s <= 0:
         p.error("--idle-timeout-s and --body-timeout-s must be > 0")
     if args.max_connections < 1:
         p.error("--max-connections must be >= 1")
+    if args.online_first < 0 or args.batch_queue < 0 or args.batch_wait_s <= 0:
+        p.error("--online-first and --batch-queue must be >= 0 and --batch-wait-s > 0")
     if args.affinity_slack < 0 or args.affinity_entries < 1:
         p.error("--affinity-slack must be >= 0 and --affinity-entries >= 1")
     if not (args.decode or args.decode_dns):
         p.error("at least one decode instance (--decode or --decode-dns) is needed")
     return args
+
+
+def admission_from(args: argparse.Namespace) -> Admission | None:
+    if not args.online_first:
+        return None
+    return Admission(args.online_first, batch_queue=args.batch_queue, batch_wait_s=args.batch_wait_s,
+                     online_priority=args.online_priority, class_header=args.class_header,
+                     preempt_batch=args.preempt_batch == "on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(backends, health_interval_s=args.health_interval_s,
                     request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s, dns=dns,
                     prefix_affinity=args.prefix_affinity == "on", affinity_entries=args.affinity_entries,
-                    affinity_slack=args.affinity_slack)  # fmt: skip
+                    affinity_slack=args.affinity_slack, admission=admission_from(args))  # fmt: skip
     try:
         import uvloop
 

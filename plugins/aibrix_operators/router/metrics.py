@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .backends import Backend
@@ -56,12 +58,30 @@ class RouterMetrics:
         # labels() takes a lock and a dict lookup; the children are made once.
         self._affinity_children: dict[tuple[str, str], Counter] = {}
         self.inflight = Gauge("router_inflight_requests", "Requests in the router", registry=r)
+        self.shed = Counter(
+            "aibrix_router_shed", "Batch requests answered 429 so online ones go first (--online-first), "
+            "by reason", ["reason"], registry=r,
+        )  # fmt: skip
+        self.class_inflight = Gauge(
+            "aibrix_router_inflight_requests", "Requests forwarded and not yet answered, by class "
+            "(--online-first)", ["class"], registry=r,
+        )  # fmt: skip
+        self.class_waiting = Gauge(
+            "aibrix_router_waiting_requests", "Requests queued for a forwarding slot, by class "
+            "(--online-first)", ["class"], registry=r,
+        )  # fmt: skip
         self.healthy = Gauge(
             "router_backend_healthy", "1 if the instance is healthy", ["role", "url"], registry=r
         )
         self.load = Gauge(
             "router_backend_load_score", "Load score used for selection", ["role", "url"], registry=r
         )
+
+    def watch_admission(self, admission: Any) -> None:
+        """Read the admission's counts at scrape time (nothing per request)."""
+        for cls in ("online", "batch"):
+            self.class_inflight.labels(cls).set_function(lambda c=cls: admission.inflight[c])
+            self.class_waiting.labels(cls).set_function(lambda c=cls: admission.waiting(c))
 
     def affinity_outcome(self, role: str, outcome: str) -> Counter:
         child = self._affinity_children.get((role, outcome))

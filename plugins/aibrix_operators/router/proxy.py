@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .admission import BATCH, Admission, Shed
 from .affinity import PrefixAffinity, prefix_blocks
 from .backends import DECODE, PREFILL, Backend, BackendPool
 from .metrics import RouterMetrics
@@ -49,8 +50,10 @@ class Proxy:
         body_timeout_s: float = 30.0,
         decode_attempts: int = 3,
         affinity: PrefixAffinity | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.pool = pool
+        self.admission = admission
         self.affinity = affinity
         self.session = session
         self.metrics = metrics
@@ -138,6 +141,60 @@ class Proxy:
             return openai_error(
                 400, "request body must be a JSON object", "invalid_json", "invalid_request_error"
             )
+        admission = self.admission
+        if admission is None:
+            return await self._route(path, request, raw, body)
+        cls = admission.classify(request.headers, body)
+        try:
+            await admission.admit(cls)
+        except Shed as shed:
+            self.metrics.shed.labels(shed.reason).inc()
+            error = openai_error(
+                429, f"the router serves online requests first and has no room for this batch request now "
+                f"({shed.reason}); send it again after Retry-After", "batch_shed", "rate_limit_error",
+            )  # fmt: skip
+            error.headers["Retry-After"] = "1"
+            return error
+        if cls == BATCH and not body.get("stream"):
+            return await self._preemptible_route(admission, path, request, raw, body)
+        try:
+            return await self._route(path, request, raw, body)
+        finally:
+            admission.release(cls)
+
+    async def _preemptible_route(
+        self, admission: Admission, path: str, request: web.Request, raw: bytes, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        """A forwarded batch request that an online one may take back: the upstream call is
+        cancelled (vLLM aborts it) and the client gets 429 ``batch_shed``, which the driver waits
+        out and sends again. Streamed answers are never taken back (their headers are out)."""
+        ticket = admission.preemption_ticket()
+        route = asyncio.ensure_future(self._route(path, request, raw, body))
+        try:
+            await asyncio.wait((route, ticket), return_when=asyncio.FIRST_COMPLETED)
+            if route.done():
+                return route.result()
+            route.cancel()
+            try:
+                await route
+            except asyncio.CancelledError:
+                pass
+        finally:
+            admission.drop_ticket(ticket)
+            if not route.done():
+                route.cancel()
+            admission.release(BATCH)
+        self.metrics.shed.labels("preempted").inc()
+        error = openai_error(
+            429, "the router took this batch request back for an online one (preempted); send it again "
+            "after Retry-After", "batch_shed", "rate_limit_error",
+        )  # fmt: skip
+        error.headers["Retry-After"] = "1"
+        return error
+
+    async def _route(
+        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any]
+    ) -> web.StreamResponse:
         blocks = prefix_blocks(raw, body) if self.affinity is not None else []
         error, prefill, params = await self._prefill(path, body, blocks)
         if error is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aibrix_operators.serving.process import ServerProcess, healthy, stop_process_group
+from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as SCHEDULING_POLICY_MIDDLEWARE
 
 __all__ = ["VLLMServer", "VLLMServerSpec", "free_port", "stop_process_group"]
 
@@ -37,6 +38,9 @@ class VLLMServerSpec:
     max_model_len: int = 4096
     kv_cache_bytes: int = 512 * 1024 * 1024
     runner: str | None = None  # "pooling" for embedding models
+    # "priority" for an endpoint shared with online traffic (docs/shared-capacity.md): requests'
+    # vLLM priority then orders admission and preemption. Reported by the middleware below.
+    scheduling_policy: str = "fcfs"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     python: Path = DEFAULT_PYTHON
@@ -49,7 +53,9 @@ class VLLMServerSpec:
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--enforce-eager",
-            "--disable-uvicorn-access-log",
+            "--disable-uvicorn-access-log", "--scheduling-policy", self.scheduling_policy,
+            # Says the policy in a header, so the driver can check it before shared mode.
+            "--middleware", SCHEDULING_POLICY_MIDDLEWARE,
         ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]

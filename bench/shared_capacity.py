@@ -1,0 +1,375 @@
+"""Batch on a live fleet: online TTFT and batch throughput, four ways, one server, one trace.
+
+One vLLM CPU server (``--scheduling-policy priority``, ``--max-num-seqs S`` so a burst saturates
+it) serves an online trace of bursts (closed-loop clients, more than S at once) alternating
+with near-idle phases (one request every few seconds), while a batch is always available.
+Scenarios, same server, same trace, one run:
+
+  0 online only (the baseline)
+  1 batch as plain requests at fixed concurrency, no priority (a user without this feature)
+  2 today's driver: dedicated mode, fixed concurrency, no priority
+  3 shared mode: the driver with the batch priority and the adaptive limit (capacity/)
+  online@router  the baseline with the router in front (what the router scenario's online
+          requests pay for the extra hop)
+  router  shared mode with online and batch traffic both through the P/D router in front of the
+          server (``--online-first S --preempt-batch on``): an online request that finds the
+          router full takes a forwarded batch request's slot at once (vLLM aborts that one; the
+          driver sends it again), where the driver's controller reacts only at its next tick
+
+plus ``idle``: the dedicated driver alone on the idle server, the reference for batch
+throughput. Online requests stream, so TTFT is the time to their first chunk; they run in a
+process of their own (the batch side's CPU must not delay their clocks). Batch completions are
+sampled from the driver's counters (scenario 1: its own) twice a second.
+
+    .venv/bin/python bench/shared_capacity.py [--cycles 3] [--burst-s 10] [--idle-s 10]
+        [--max-num-seqs 4] [--burst-clients 8] [--batch-concurrency 16] [--plot bench/shared_capacity.png]
+
+Prints, per scenario, online TTFT p50/p99 in bursts and in idle phases, batch completions per
+idle phase and in all, and the two issue-21 ratios: shared burst p99 / baseline burst p99
+(target ≤ 1.10) and shared idle-phase batch rate / dedicated idle rate (target ≥ 0.80).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from aibrix_operators.capacity import controller as shared_capacity
+from aibrix_operators.capacity.mode import SharedCapacity
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.metrics import COLLECTOR
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.localenv import WORK_DIR
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec, free_port
+from aibrix_operators.storage import LocalStorage
+
+MODEL = WORK_DIR / "models" / "tiny-llama"
+NAME = "tiny-llama"
+ONLINE_TOKENS = 16
+BATCH_TOKENS = 32
+
+
+def phases(cycles: int, burst_s: float, idle_s: float) -> list[tuple[str, float, float]]:
+    """(kind, start, end) seconds from the trace's start: burst, idle, burst, idle, ..."""
+    out, t = [], 0.0
+    for _ in range(cycles):
+        out.append(("burst", t, t + burst_s))
+        out.append(("idle", t + burst_s, t + burst_s + idle_s))
+        t += burst_s + idle_s
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+# -- the online side (its own process) ----------------------------------------------------------
+async def _online_request(session: aiohttp.ClientSession, url: str, i: int, t0: float) -> tuple[float, float]:
+    body = {"model": NAME, "prompt": f"online user {i}: how does the batch pipeline work?",
+            "max_tokens": ONLINE_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    sent = time.monotonic()
+    first = None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, resp.status
+        async for _ in resp.content.iter_any():
+            if first is None:
+                first = time.monotonic()
+    return sent - t0, (first or time.monotonic()) - sent
+
+
+async def _online_trace(url: str, trace: list[tuple[str, float, float]], burst_clients: int,
+                        idle_gap_s: float, start_at: float) -> list[tuple[float, float]]:
+    """(send time from trace start, TTFT) of every online request."""
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    t0 = time.monotonic()
+    samples: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        counter = 0
+        for kind, start, end in trace:
+            await asyncio.sleep(max(0.0, t0 + start - time.monotonic()))
+            if kind == "burst":
+                async def client(end: float = end) -> None:
+                    nonlocal counter
+                    while time.monotonic() - t0 < end:
+                        counter += 1
+                        samples.append(await _online_request(session, url, counter, t0))
+                await asyncio.gather(*(client() for _ in range(burst_clients)))
+            else:
+                while time.monotonic() - t0 + idle_gap_s < end:
+                    counter += 1
+                    samples.append(await _online_request(session, url, counter, t0))
+                    await asyncio.sleep(idle_gap_s)
+    return samples
+
+
+def _online_process(url: str, trace: list, burst_clients: int, idle_gap_s: float, start_at: float,
+                    out: Any) -> None:
+    out.put(asyncio.run(_online_trace(url, trace, burst_clients, idle_gap_s, start_at)))
+
+
+# -- the batch side -----------------------------------------------------------------------------
+def write_shard(path: Path, n: int) -> None:
+    with open(path, "w") as fh:
+        for i in range(n):
+            body = {"model": NAME, "prompt": f"batch item {i}: summarize the nightly evaluation",
+                    "max_tokens": BATCH_TOKENS, "temperature": 0.0, "ignore_eos": True}
+            fh.write(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": body}) + "\n")
+
+
+async def _plain_batch(url: str, shard: Path, concurrency: int, stop_at: float, done: list[int]) -> None:
+    """Scenario 1: what a user writes without this project: a fixed pool of plain requests."""
+    lines = iter(shard.read_text().splitlines())
+    async with aiohttp.ClientSession() as session:
+        async def worker() -> None:
+            for line in lines:
+                if time.monotonic() >= stop_at:
+                    return
+                async with session.post(url + "/v1/completions", json=json.loads(line)["body"]) as r:
+                    await r.read()
+                    if r.status == 200:
+                        done[0] += 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _driver_batch(url: str, shard: Path, work: Path, concurrency: int, duration_s: float,
+                        capacity: SharedCapacity | None) -> None:
+    cancel = work / "CANCEL"
+    config = DriverConfig(endpoint=url, concurrency=concurrency, api_key_env=None, cancel_uri=str(cancel),
+                          cancel_poll_s=0.2, progress_interval_s=3600, capacity=capacity)
+
+    async def stop_later() -> None:
+        await asyncio.sleep(duration_s)
+        cancel.write_text("stop\n")  # the driver's own cancel: no new request after it
+
+    stopper = asyncio.create_task(stop_later())
+    try:
+        await run_shard(LocalStorage(), str(shard), str(work / "results"), config)
+    finally:
+        stopper.cancel()
+
+
+async def run_scenario(name: str, url: str, args: argparse.Namespace, trace: list, shard: Path,
+                       work: Path, with_online: bool = True) -> dict[str, Any]:
+    duration = trace[-1][2]
+    queue: Any = mp.Queue()
+    start_at = time.time() + 1.0
+    proc = None
+    if with_online:
+        proc = mp.Process(target=_online_process, args=(url, trace, args.burst_clients, args.idle_gap_s,
+                                                         start_at, queue))
+        proc.start()
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    t0 = time.monotonic()
+    completions: list[tuple[float, float]] = []  # (time from trace start, batch completions so far)
+    limits: list[tuple[float, int]] = []
+    plain_done = [0]
+    base = COLLECTOR.totals()["completed"]
+
+    async def sample() -> None:
+        while True:
+            now = time.monotonic() - t0
+            total = plain_done[0] if name == "plain" else COLLECTOR.totals()["completed"] - base
+            completions.append((now, total))
+            for ctl in shared_capacity.REGISTRY.live():
+                limits.append((now, ctl.limiter.limit))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        if name == "plain":
+            await _plain_batch(url, shard, args.batch_concurrency, time.monotonic() + duration, plain_done)
+        elif name in ("dedicated", "idle"):
+            await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, None)
+        elif name in ("shared", "router"):
+            capacity = SharedCapacity(target_inflight=args.max_num_seqs, tick_s=args.tick_s)
+            await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, capacity)
+        else:
+            await asyncio.sleep(duration)
+    finally:
+        sampler.cancel()
+    online = queue.get() if proc is not None else []
+    if proc is not None:
+        proc.join()
+    return {"name": name, "online": online, "completions": completions, "limits": limits}
+
+
+def summarize(result: dict[str, Any], trace: list) -> dict[str, Any]:
+    def in_phase(t: float, kind: str) -> bool:
+        return any(k == kind and s <= t < e for k, s, e in trace)
+
+    burst = [ttft for sent, ttft in result["online"] if in_phase(sent, "burst")]
+    idle = [ttft for sent, ttft in result["online"] if in_phase(sent, "idle")]
+    comp = result["completions"]
+
+    def done_at(t: float) -> float:
+        before = [c for s, c in comp if s <= t]
+        return before[-1] if before else 0.0
+
+    idle_counts = [done_at(e) - done_at(s) for k, s, e in trace if k == "idle"]
+    idle_time = sum(e - s for k, s, e in trace if k == "idle")
+    return {
+        "scenario": result["name"], "online_requests": len(result["online"]),
+        "burst_ttft_p50_ms": _ms(percentile(burst, 50)), "burst_ttft_p99_ms": _ms(percentile(burst, 99)),
+        "idle_ttft_p50_ms": _ms(percentile(idle, 50)), "idle_ttft_p99_ms": _ms(percentile(idle, 99)),
+        "batch_per_idle_phase": [round(c) for c in idle_counts],
+        "batch_idle_rate": round(sum(idle_counts) / idle_time, 2) if idle_time else None,
+        "batch_total": round(comp[-1][1]) if comp else 0,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for ax in (top, bottom):
+        for kind, s, e in trace:
+            if kind == "burst":
+                ax.axvspan(s, e, color="tab:red", alpha=0.08)
+    for r in results:
+        if r["completions"]:
+            top.plot([t for t, _ in r["completions"]], [c for _, c in r["completions"]], label=r["name"])
+        if r["online"]:
+            window = 2.0
+            ends = [trace[-1][2] * i / 60 for i in range(1, 61)]
+            p99 = [percentile([x for s, x in r["online"] if e - window <= s < e], 99) for e in ends]
+            bottom.plot(ends, [None if v is None else v * 1000 for v in p99], label=r["name"])
+    top.set_ylabel("batch requests completed")
+    top.set_title("batch completions over time (bursts shaded)")
+    top.legend(loc="upper left")
+    bottom.set_ylabel("online TTFT p99, 2 s windows (ms)")
+    bottom.set_xlabel("seconds from the trace's start")
+    bottom.set_yscale("log")
+    bottom.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@contextmanager
+def online_first_router(decode_url: str, slots: int):  # -> Iterator[str]
+    """The router process (the image's entrypoint) in front of the server, online first."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1", "--port", str(port),
+           "--decode", decode_url, "--health-interval-s", "0.5", "--online-first", str(slots),
+           "--preempt-batch", "on"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (OSError, urllib.error.HTTPError):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the router did not become healthy") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    trace = phases(args.cycles, args.burst_s, args.idle_s)
+    spec = VLLMServerSpec(model=str(MODEL), served_model_name=NAME, scheduling_policy="priority",
+                          extra_args=["--max-num-seqs", str(args.max_num_seqs)])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="shared-capacity-") as tmp, VLLMServer(spec) as server:
+        work = Path(tmp)
+        shard = work / "shard.jsonl"
+        write_shard(shard, args.batch_requests)
+        # Warm the server (first requests compile and allocate).
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                await _online_request(session, server.base_url, 0, time.monotonic())
+        for name in args.scenarios:
+            print(f"-- scenario {name}", flush=True)
+            with_online = name != "idle"
+            if name in ("router", "online@router"):
+                with online_first_router(server.base_url, args.max_num_seqs) as url:
+                    results.append(await run_scenario(name, url, args, trace, shard, work, with_online))
+            else:
+                results.append(await run_scenario(name, server.base_url, args, trace, shard, work,
+                                                  with_online))
+            print(json.dumps(summarize(results[-1], trace)), flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cycles", type=int, default=3)
+    p.add_argument("--burst-s", type=float, default=10.0)
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--idle-gap-s", type=float, default=3.0, help="seconds between online requests when idle")
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--burst-clients", type=int, default=8)
+    p.add_argument("--batch-concurrency", type=int, default=16)
+    p.add_argument("--batch-requests", type=int, default=50_000)
+    p.add_argument("--tick-s", type=float, default=0.25, help="shared mode's controller tick")
+    p.add_argument("--scenarios", nargs="+",
+                   default=["online", "plain", "dedicated", "shared", "online@router", "router", "idle",
+                            "online#2"],
+                   help="online#2: the baseline again at the end (its spread is the run's noise)")
+    p.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
+    p.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    args = p.parse_args()
+    results = asyncio.run(main_async(args))
+    trace = phases(args.cycles, args.burst_s, args.idle_s)
+    rows = {r["name"]: summarize(r, trace) for r in results}
+    print("\nscenario    burst p50/p99 ms    idle p50/p99 ms    batch per idle phase    idle rate  total")
+    for name, row in rows.items():
+        print(f"{name:<10} {row['burst_ttft_p50_ms']!s:>7} / {row['burst_ttft_p99_ms']!s:<8} "
+              f"{row['idle_ttft_p50_ms']!s:>7} / {row['idle_ttft_p99_ms']!s:<8} "
+              f"{str(row['batch_per_idle_phase']):<22} {row['batch_idle_rate']!s:>8} {row['batch_total']:>6}")
+    bases = [r["burst_ttft_p99_ms"] for n, r in rows.items()
+             if n.startswith("online") and "@" not in n and r["burst_ttft_p99_ms"]]
+    if bases:
+        base = sum(bases) / len(bases)
+        print(f"online-only burst TTFT p99: {' / '.join(f'{b:.1f}' for b in bases)} ms (mean {base:.1f})")
+        for name in ("plain", "dedicated", "shared", "router"):
+            if name in rows and rows[name]["burst_ttft_p99_ms"]:
+                print(f"burst TTFT p99 {name}/online-only: {rows[name]['burst_ttft_p99_ms'] / base:.2f}"
+                      + ("  (target <= 1.10)" if name in ("shared", "router") else ""))
+    via_router = rows.get("online@router", {}).get("burst_ttft_p99_ms")
+    if via_router and rows.get("router", {}).get("burst_ttft_p99_ms"):
+        print(f"burst TTFT p99 router/online-only-through-the-router: "
+              f"{rows['router']['burst_ttft_p99_ms'] / via_router:.2f}  (target <= 1.10)")
+    idle_ref = rows.get("idle", {}).get("batch_idle_rate")
+    for name in ("shared", "router"):
+        if idle_ref and name in rows and rows[name]["batch_idle_rate"] is not None:
+            print(f"idle-phase batch rate {name}/dedicated-on-idle-server: "
+                  f"{rows[name]['batch_idle_rate'] / idle_ref:.2f}  (target >= 0.80)")
+    if args.plot:
+        plot(results, trace, args.plot)
+        print(f"timeline: {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""``BatchClient``: AIBrix's Python client, as a thin layer over the official ``openai`` SDK.
+
+Every call is the SDK's own (``files.create``, ``batches.create/retrieve/list/cancel``,
+``files.content``), so what works with ``openai.OpenAI`` works here, and ``client.openai``
+is that SDK client for anything this layer does not wrap. What it adds: an upload streamed
+from a path with progress, the endpoint taken from the file's first line, ``wait`` with a
+progress callback, and results streamed line by line (or straight to a file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import openai
+from openai.types import Batch, FileObject
+
+from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file
+from aibrix_operators.client.errors import BatchNotDone, InputFileError, PoolConfigError
+from aibrix_operators.client.profile import normalize_base_url
+from aibrix_operators.client.progress import ProgressReader
+
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+MIN_POLL_S = 1.0  # never poll one batch more often: each poll costs the api-server a snapshot
+FIRST_LINE_MAX = 8 << 20  # how much of the first line the local check reads at most
+
+
+class BatchClient:
+    """``BatchClient(endpoint="http://airflow:8080", api_key="sk-…")``.
+
+    ``endpoint`` is the Batch API's base URL; with no path, ``/openai/v1`` (where the Airflow
+    plugin mounts it) is added. Extra keyword arguments go to ``openai.OpenAI``.
+    """
+
+    def __init__(self, endpoint: str, api_key: str, *, timeout: float = 60.0, max_retries: int = 2,
+                 **openai_kwargs: Any) -> None:
+        self.base_url = normalize_base_url(endpoint)
+        self.openai = openai.OpenAI(base_url=self.base_url, api_key=api_key, timeout=timeout,
+                                    max_retries=max_retries, **openai_kwargs)
+
+    # ------------------------------------------------------------------ submit
+    def upload(self, input_file: str | os.PathLike[str] | IO[bytes],
+               on_progress: Callable[[int, int | None], None] | None = None) -> FileObject:
+        """Upload a batch file, streamed from disk (the SDK would read a *path* whole)."""
+        if not isinstance(input_file, str | os.PathLike):
+            return self.openai.files.create(file=input_file, purpose="batch")
+        path = Path(input_file)
+        size = path.stat().st_size
+        with open(path, "rb") as raw:
+            reader = ProgressReader(raw, (lambda done: on_progress(done, size)) if on_progress else _nothing)
+            return self.openai.files.create(file=(path.name, reader), purpose="batch")
+
+    def create_batch(self, input_file: str | os.PathLike[str] | IO[bytes] | None = None, *,
+                     input_file_id: str | None = None, completion_window: str = "24h",
+                     metadata: dict[str, str] | None = None, endpoint: str | None = None,
+                     idempotency_key: str | None = None,
+                     pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                     on_upload: Callable[[int, int | None], None] | None = None) -> Batch:
+        """Upload ``input_file`` (or use ``input_file_id``) and create its batch.
+
+        ``endpoint`` defaults to the ``url`` of the file's first line. ``pool`` is the job pool:
+        a pool file's path, its ``pool:`` mapping, or a ``JobPool`` (docs/job-pool.md); checked
+        before the upload, sent as the API's ``pool`` field. The returned Batch keeps the API's
+        extra fields: ``batch.monitor_url`` is the run's page in the Airflow UI.
+        """
+        pool_body = pool_request(pool)
+        if (input_file is None) == (input_file_id is None):
+            raise InputFileError("give exactly one of input_file and input_file_id")
+        if input_file is not None:
+            if endpoint is None and isinstance(input_file, str | os.PathLike):
+                endpoint = first_line_endpoint(Path(input_file))
+            input_file_id = self.upload(input_file, on_upload).id
+        if endpoint is None:
+            raise InputFileError("endpoint is required with input_file_id or a file object "
+                                 "(e.g. /v1/chat/completions)")
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        assert input_file_id is not None
+        return self.openai.batches.create(
+            input_file_id=input_file_id, endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window=completion_window,  # type: ignore[arg-type]
+            metadata=metadata, extra_headers=headers,
+            extra_body={"pool": pool_body} if pool_body else None)
+
+    # ------------------------------------------------------------------ follow
+    def retrieve(self, batch_id: str) -> Batch:
+        return self.openai.batches.retrieve(batch_id)
+
+    def list(self, limit: int = 20, all: bool = False) -> Iterator[Batch]:  # noqa: A002 - the CLI's flag
+        """Newest first; ``all`` walks every page (``limit`` is then the page size)."""
+        page = self.openai.batches.list(limit=limit)
+        if all:
+            yield from page  # the SDK's auto-pagination fetches the next page as needed
+        else:
+            yield from page.data
+
+    def cancel(self, batch_id: str) -> Batch:
+        return self.openai.batches.cancel(batch_id)
+
+    def wait(self, batch_id: str, on_progress: Callable[[Batch], None] | None = None, poll_s: float = 5.0,
+             timeout_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> Batch:
+        """Poll until the batch ends (at most once per second); the final Batch.
+
+        ``on_progress(batch)`` sees every poll's answer. Whatever the final status, it is
+        returned, not raised: check ``batch.status``.
+        """
+        poll_s = max(poll_s, MIN_POLL_S)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            started = time.monotonic()
+            batch = self.retrieve(batch_id)
+            if on_progress is not None:
+                on_progress(batch)
+            if batch.status in TERMINAL:
+                return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"batch {batch_id} still {batch.status} after {timeout_s:.0f}s")
+            # The interval is from poll to poll, not after each answer: a slow answer does not
+            # stretch it, and a fast one never makes it shorter than poll_s.
+            sleep(max(poll_s - (time.monotonic() - started), 0.0))
+
+    # ------------------------------------------------------------------ results
+    def result_file_id(self, batch: Batch | str, errors: bool = False) -> str | None:
+        """The output (or error) file's id; None when the finished batch has no such lines.
+        Raises BatchNotDone when the batch has not finished, or failed as a whole."""
+        if isinstance(batch, str):
+            batch = self.retrieve(batch)
+        if batch.status not in TERMINAL:
+            raise BatchNotDone(f"batch {batch.id} is {batch.status}; results come once it ends: "
+                               f"aibrix-batch status {batch.id} --watch", batch)
+        file_id = batch.error_file_id if errors else batch.output_file_id
+        if file_id is None and batch.status == "failed":
+            raise BatchNotDone(f"batch {batch.id} failed{_first_error(batch)}; it has no results", batch)
+        return file_id
+
+    def result_chunks(self, batch: Batch | str, errors: bool = False,
+                      chunk_size: int | None = None) -> Iterator[bytes]:
+        """The output (or error) file as raw chunks, as they arrive: never held whole.
+
+        No ``chunk_size`` by default: the pieces httpx reads (64 KiB) are passed on as they
+        are; re-chunking them to 1 MiB copied every byte once more (146 vs 257 MB/s measured
+        against tests/client/batch_api_stub.py)."""
+        file_id = self.result_file_id(batch, errors)
+        if file_id is None:
+            return
+        with self.openai.files.with_streaming_response.content(file_id) as response:
+            yield from response.iter_bytes(chunk_size)
+
+    def results(self, batch: Batch | str, errors: bool = False) -> Iterator[dict[str, Any]]:
+        """One dict per result line, streamed (OpenAI's batch output line shape)."""
+        rest = b""
+        for chunk in self.result_chunks(batch, errors):
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)
+        if rest.strip():
+            yield json.loads(rest)
+
+    def download(self, batch: Batch | str, path: str | os.PathLike[str], errors: bool = False,
+                 on_progress: Callable[[int], None] | None = None) -> int:
+        """Write the output (or error) file to ``path`` chunk by chunk; the bytes written.
+        Written to ``path.part`` and renamed, so a broken download never looks finished."""
+        target = Path(path)
+        part = target.with_name(target.name + ".part")
+        written = 0
+        try:
+            with open(part, "wb") as out:
+                for chunk in self.result_chunks(batch, errors):
+                    out.write(chunk)
+                    written += len(chunk)
+                    if on_progress is not None:
+                        on_progress(written)
+            os.replace(part, target)
+        finally:
+            if part.exists():
+                part.unlink()
+        return written
+
+
+def pool_request(pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The ``pool`` field of a create request (only the keys set), or None; PoolConfigError for a
+    pool of the wrong shape, found here rather than by the server after an upload."""
+    if pool is None:
+        return None
+    try:
+        if isinstance(pool, str | os.PathLike):
+            pool = load_pool_file(pool)
+        elif not isinstance(pool, JobPool):
+            pool = JobPool.from_mapping(pool)
+    except JobPoolError as exc:
+        raise PoolConfigError(str(exc)) from None
+    return pool.as_params() or None
+
+
+def first_line_endpoint(path: Path) -> str:
+    """The ``url`` of the file's first request, checked locally before any byte is sent, so
+    a file that is no batch at all is refused at once (the server validates every line)."""
+    try:
+        with open(path, "rb") as f:
+            first = b""
+            while not first.strip():
+                first = f.readline(FIRST_LINE_MAX)
+                if not first:
+                    raise InputFileError(f"{path} is empty; a batch file has one JSON request per line")
+    except IsADirectoryError:
+        raise InputFileError(f"{path} is a directory; give a .jsonl batch file") from None
+    except FileNotFoundError:
+        raise InputFileError(f"{path} does not exist; give a .jsonl batch file") from None
+    except PermissionError:
+        raise InputFileError(f"cannot read {path}: permission denied") from None
+    hint = ('each line must be a request like {"custom_id": "1", "method": "POST", '
+            '"url": "/v1/chat/completions", "body": {…}}')
+    try:
+        request = json.loads(first)
+    except (ValueError, UnicodeDecodeError):
+        raise InputFileError(f"{path} line 1 is not JSON; {hint}") from None
+    if not isinstance(request, dict) or not isinstance(request.get("url"), str):
+        raise InputFileError(f"{path} line 1 has no \"url\"; {hint}")
+    return request["url"]
+
+
+def _first_error(batch: Batch) -> str:
+    data = batch.errors.data if batch.errors and batch.errors.data else []
+    if not data:
+        return ""
+    e = data[0]
+    line = f" at line {e.line}" if e.line else ""
+    return f": {e.code}{line}: {' '.join(str(e.message or '').split())[:300]}"
+
+
+def _nothing(_: int) -> None:
+    return None

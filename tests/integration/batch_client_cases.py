@@ -1,0 +1,277 @@
+"""The submitter's tools against test_batch_api.py's deployment (real api-server with the Batch
+API, scheduler, workers, vLLM CPU): the shipped ``aibrix-batch`` console script as a
+subprocess, ``BatchClient`` beside the official SDK, and ``monitor_url`` opened in headless
+Chromium. Collected by test_batch_api.py (imported there), so they share its one deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.ui import WebDriverWait
+
+from aibrix_operators.batch_api.airflow_runs import run_id_for
+from aibrix_operators.client import BatchClient
+from aibrix_operators.localenv import REPO_ROOT
+from tests.integration.conftest import chat_requests, read_jsonl, write_jsonl
+
+CLI = str(Path(sys.executable).with_name("aibrix-batch"))
+EXAMPLE = REPO_ROOT / "examples" / "chat_batch.jsonl"
+UI_WAIT_S = 60
+
+
+def cli(api, *args: str, key: str | None = None, base_url: str | None = None,
+        timeout: float = 600) -> subprocess.CompletedProcess:
+    """The console script, configured the way a user would: environment variables, and a
+    HOME / profile path of its own so no file of this machine's user is read."""
+    home = Path(api.root).parent / "cli-home"
+    home.mkdir(exist_ok=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "AIBRIX_BATCH_CONFIG": str(home / "none.yaml"),
+           "AIBRIX_BATCH_BASE_URL": base_url or api.airflow.api_url,
+           "OPENAI_API_KEY": key or api.keys["alpha"]}
+    proc = subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_cli_create_wait_status_list_results(api, tmp_path):
+    created = cli(api, "create", "--input", str(EXAMPLE), "--metadata", "project=cli-test", "--wait",
+                  "--json")
+    assert created.returncode == 0, created.stderr
+    events = json_lines(created.stdout)
+    first, last = events[0], events[-1]
+    batch_id = first["id"]
+    assert first["status"] == "validating" and first["metadata"] == {"project": "cli-test"}
+    assert last["id"] == batch_id and last["status"] == "completed"
+    assert last["request_counts"] == {"total": 200, "completed": 200, "failed": 0}
+    run_page = f"{api.airflow.api_url}/dags/batch_inference/runs/{run_id_for('alpha', batch_id)}"
+    assert first["monitor_url"] == last["monitor_url"] == run_page
+    # Human output: the id and monitor URL as soon as it is created, the summary at the end.
+    human = cli(api, "status", batch_id)
+    assert human.returncode == 0 and human.stdout.startswith(f"{batch_id}  completed")
+    assert "200 total, 200 completed, 0 failed" in human.stdout and run_page in human.stdout
+    status = json.loads(cli(api, "status", batch_id, "--json").stdout)
+    assert status["status"] == "completed" and status["output_file_id"] and status["monitor_url"] == run_page
+    listed = cli(api, "list", "--limit", "100", "--json")
+    assert listed.returncode == 0
+    assert batch_id in [b["id"] for b in json.loads(listed.stdout)]
+    table = cli(api, "list", "--all").stdout.splitlines()
+    assert table[0].split()[:3] == ["ID", "STATUS", "DONE/TOTAL"]
+    assert any(row.split()[:3] == [batch_id, "completed", "200/200"] for row in table[1:])
+    out = tmp_path / "out.jsonl"
+    results = cli(api, "results", batch_id, "-o", str(out), "--json")
+    assert results.returncode == 0, results.stderr
+    assert json.loads(results.stdout)["bytes"] == out.stat().st_size
+    lines = read_jsonl(out.read_text())
+    assert [r["custom_id"] for r in lines] == [r["custom_id"] for r in read_jsonl(EXAMPLE.read_text())]
+    assert all(r["response"]["status_code"] == 200 for r in lines)
+    # No error lines: an empty errors file, and that is no failure.
+    errors = cli(api, "results", batch_id, "--errors", "-o", str(tmp_path / "errors.jsonl"))
+    assert errors.returncode == 0 and (tmp_path / "errors.jsonl").read_bytes() == b""
+    # To stdout, byte for byte the same file.
+    assert cli(api, "results", batch_id).stdout == out.read_text()
+
+
+def test_cli_cancel_a_second_batch(api, tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", chat_requests(600, max_tokens=48))
+    created = cli(api, "create", "--input", str(path), "--json")
+    assert created.returncode == 0, created.stderr
+    batch_id = json.loads(created.stdout)["id"]
+    cancelled = cli(api, "cancel", batch_id, "--json")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["status"] in ("cancelling", "cancelled")
+    watched = cli(api, "status", batch_id, "--watch")
+    assert watched.returncode == 1, watched.stdout + watched.stderr  # cancelled: not done
+    assert watched.stdout.startswith(f"{batch_id}  cancelled")
+    assert f"{batch_id}  cancel" in watched.stderr  # progress lines on stderr, one per change
+    # A cancelled batch's answers so far and its cancelled lines are all there.
+    final = json.loads(cli(api, "status", batch_id, "--json").stdout)
+    counts = final["request_counts"]
+    assert counts["total"] == 600 and counts["completed"] + counts["failed"] == 600
+    again = cli(api, "cancel", batch_id)
+    assert again.returncode == 0 and "already cancelled" in again.stdout
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("aibrix-batch "), proc.stderr
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr)
+
+
+def test_cli_errors_are_one_line_with_their_exit_code(api, tmp_path):
+    _one_line_error(cli(api, "list", key="sk-wrong-" + secrets.token_hex(8)), 3, "refused the API key",
+                    "OPENAI_API_KEY")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    _one_line_error(cli(api, "status", "batch_" + "0" * 32, base_url=closed), 3, "cannot reach", closed)
+    not_json = tmp_path / "notes.jsonl"
+    not_json.write_text("these are my notes\n")
+    _one_line_error(cli(api, "create", "--input", str(not_json)), 2, "line 1 is not JSON", "custom_id")
+    _one_line_error(cli(api, "create", "--input", str(tmp_path / "missing.jsonl")), 2, "does not exist")
+    _one_line_error(cli(api, "status", "batch_" + "0" * 32), 2, "aibrix-batch list")
+    # A file whose first line is fine: the server validates the rest; the batch fails, exit 1.
+    good = json.dumps(chat_requests(1)[0])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good + "\n{not json\n")
+    failed = cli(api, "create", "--input", str(bad), "--wait")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "  failed" in failed.stdout and "invalid_json_line line 2" in failed.stdout
+    batch_id = failed.stdout.split()[1]
+    _one_line_error(cli(api, "results", batch_id), 1, "failed: invalid_json_line at line 2")
+
+
+def _max_overlap(intervals: list[tuple[str, str]]) -> int:
+    """The most intervals open at one instant (ISO timestamps; an end before a start at a tie)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
+                    key=lambda e: (datetime.fromisoformat(e[0]), e[1]))
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def test_cli_pool_file_caps_the_batchs_running_shards(api, tmp_path):
+    """A pool file end to end: CLI --config -> the API's pool field -> the run's params ->
+    at most max_workers dispatch tasks working at once, seen in Airflow's task instances."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("pool:\n  max_workers: 2\n  requests_per_shard: 4\n  concurrency: 1\n")
+    # 6 shards, each long enough (4 x 256 tokens one at a time: ~6 s here, more on a loaded
+    # machine) that shards 2-5 are checked while 0 and 1 still work. With 32-token requests a
+    # loaded CI machine started shard 2 only after 0 and 1 had ended, so nothing ever waited.
+    requests = chat_requests(24, max_tokens=256)
+    for request in requests:
+        request["body"]["ignore_eos"] = True
+    path = write_jsonl(tmp_path / "in.jsonl", requests)
+    created = cli(api, "create", "--input", str(path), "--config", str(pool), "--wait", "--json")
+    assert created.returncode == 0, created.stderr
+    events = json_lines(created.stdout)
+    assert events[-1]["status"] == "completed", events[-1]
+    token = api.airflow.token()
+    run_id = run_id_for("alpha", events[0]["id"])
+    run = api.airflow.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}", token=token)
+    params = run["conf"]
+    assert (params["max_workers"], params["requests_per_shard"], params["concurrency"]) == (2, 4, 1)
+    tis = api.airflow.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}/taskInstances?limit=100",
+                          token=token)["task_instances"]
+    dispatch = [t for t in tis if t["task_id"] == "dispatch"]
+    assert sorted(t["map_index"] for t in dispatch) == list(range(6))
+    assert {t["state"] for t in dispatch} == {"success"}
+    # When each shard worked: from its start (a shard that waited keeps the start_date of its
+    # first check, so its log's "shard N starts" line) to its end.
+    waited, worked, waits = [], [], 0
+    for t in dispatch:
+        log = api.airflow.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}/taskInstances/"
+                              f"dispatch/logs/{t['try_number']}?map_index={t['map_index']}&full_content=true",
+                              token=token)
+        events = [e for e in log["content"] if isinstance(e, dict)]
+        waits += sum("waits for" in str(e.get("event")) for e in events)
+        if any("waits for" in str(e.get("event")) for e in events):
+            waited.append(t["map_index"])
+        starts = [e["timestamp"] for e in events if f"shard {t['map_index']} starts" in str(e.get("event"))]
+        worked.append((starts[-1] if starts else t["start_date"], t["end_date"]))
+    assert _max_overlap(worked) <= 2, sorted(zip([t["map_index"] for t in dispatch], worked, strict=True))
+    assert waited and min(waited) >= 2, waited  # the first two never wait; later ones did
+    # Waiting for a turn costs no try (a reschedule keeps try_number, as a sensor's does): were
+    # each check a try, the extra tries would number the checks. (All on try 1 in two runs of
+    # three here; once one shard was on a second try, cause not kept: this bound allows that.)
+    extra_tries = sum(t["try_number"] - 1 for t in dispatch)
+    assert extra_tries < waits, [(t["map_index"], t["try_number"]) for t in dispatch]
+
+
+def test_cli_pool_over_the_deployments_limit_is_refused_by_name(api, tmp_path):
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("pool:\n  max_workers: 99\n")
+    _one_line_error(cli(api, "create", "--input", str(EXAMPLE), "--config", str(pool)), 2,
+                    "pool_max_workers", "99 is over 16")
+    pool.write_text("pool:\n  memory_per_job: lots\n")
+    _one_line_error(cli(api, "create", "--input", str(EXAMPLE), "--config", str(pool)), 2,
+                    "memory_per_job 'lots' is not a Kubernetes memory quantity", str(pool))
+
+
+def test_client_and_sdk_agree_on_one_batch(api, tmp_path):
+    path = write_jsonl(tmp_path / "eval.jsonl", chat_requests(12))
+    client = BatchClient(api.airflow.api_url, api.keys["alpha"])
+    batch = client.create_batch(input_file=path, completion_window="8h", metadata={"project": "llama3-eval"})
+    assert batch.endpoint == "/v1/chat/completions" and batch.completion_window == "8h"
+    assert batch.monitor_url == batch.model_extra["monitor_url"]
+    seen: list[str] = []
+    done = client.wait(batch.id, on_progress=lambda b: seen.append(b.status), poll_s=1)
+    assert done.status == "completed" and seen[-1] == "completed"
+    lines = list(client.results(done))
+    sdk = api.client("alpha")
+    assert sdk.batches.retrieve(batch.id).model_dump() == client.retrieve(batch.id).model_dump()
+    assert read_jsonl(sdk.files.content(done.output_file_id).text) == lines
+    assert [r["custom_id"] for r in lines] == [f"req-{i:04d}" for i in range(12)]
+    assert list(client.results(done, errors=True)) == []
+    assert batch.id in [b.id for b in client.list(limit=100)]
+    assert client.openai.batches.list(limit=1).data[0].id == sdk.batches.list(limit=1).data[0].id
+
+
+def _binary(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:  # a broken setup, not a reason to skip: `make setup` installs it
+        raise FileNotFoundError(f"{name} not on PATH: apt-get install -y {package} (make setup)")
+    return path
+
+
+@pytest.fixture
+def browser(tmp_path) -> Iterator[WebDriver]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = _binary("chromium", "chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    service = Service(_binary("chromedriver", "chromium-driver"),
+                      log_output=str(tmp_path / "chromedriver.log"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_monitor_url_opens_the_run_in_the_airflow_ui(api, browser, tmp_path):
+    client = BatchClient(api.airflow.api_url, api.keys["alpha"])
+    batch = client.create_batch(input_file=write_jsonl(tmp_path / "ui.jsonl", chat_requests(2)))
+    done = client.wait(batch.id, poll_s=1)
+    assert done.status == "completed"
+    run_id = run_id_for("alpha", batch.id)
+    wait = WebDriverWait(browser, UI_WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+    try:
+        browser.get(api.airflow.api_url + "/")  # SimpleAuthManager's login, as a person does it
+        wait.until(EC.element_to_be_clickable((By.NAME, "username"))).send_keys("admin")
+        browser.find_element(By.NAME, "password").send_keys(api.airflow.admin_password())
+        wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "button[type=submit]"))).click()
+        wait.until(lambda d: "/auth/login" not in d.current_url)
+        browser.get(done.monitor_url)
+        # The run's page: its header names the run and shows its final state.
+        header = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, "[data-testid=header-card]")))
+        wait.until(lambda d: run_id in d.find_element(By.CSS_SELECTOR, "[data-testid=header-card]").text)
+        badge = header.find_element(By.CSS_SELECTOR, "[data-testid=state-badge]")
+        wait.until(lambda _: badge.text.strip().lower() == "success")
+        assert browser.current_url == done.monitor_url
+    finally:
+        browser.save_screenshot(str(tmp_path / "monitor-url.png"))

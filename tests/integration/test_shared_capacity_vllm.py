@@ -1,0 +1,196 @@
+"""Shared capacity mode against real vLLM CPU servers (issue 21).
+
+``vllm_priority`` runs with ``--scheduling-policy priority`` and only 2 sequences at a time, so
+a handful of requests saturates it; ``vllm_chat`` (the suite's FCFS server) shows the refusal.
+Both report their policy through serving/scheduling_policy.py's middleware, as the serving
+images start them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from aibrix_operators.capacity import controller as shared_capacity
+from aibrix_operators.capacity import policy
+from aibrix_operators.capacity.mode import SharedCapacity
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.preflight import SharedModeRefused, check_endpoint
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.storage import LocalStorage
+from tests.integration.conftest import SERVED_NAME
+
+# Who is served first, and what the controller saw, depend on the server's load: alone, not beside
+# another worker's vLLM (a burst under a second worker's load never filled vLLM's queue).
+pytestmark = pytest.mark.serial
+
+MAX_NUM_SEQS = 2
+
+
+@pytest.fixture(scope="module")
+def vllm_priority(tiny_model: Path) -> Iterator[VLLMServer]:
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, scheduling_policy="priority",
+                          extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
+    with VLLMServer(spec) as server:
+        yield server
+
+
+def _completion(prompt: str, max_tokens: int, priority: int | None = None) -> dict:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+    return body if priority is None else {**body, "priority": priority}
+
+
+async def _timed(session: aiohttp.ClientSession, url: str, body: dict, t0: float) -> tuple[int, float]:
+    async with session.post(url + "/v1/completions", json=body) as r:
+        await r.read()
+        return r.status, time.monotonic() - t0
+
+
+async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
+    vllm_priority: VLLMServer,
+) -> None:
+    url = vllm_priority.base_url
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 96, priority=10), t0))
+                 for i in range(6)]
+        await asyncio.sleep(0.3)  # two batch requests run, four wait in the server's queue
+        async with session.get(url + "/metrics") as r:
+            waiting = sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                          if line.startswith("vllm:num_requests_waiting{"))
+        online = [asyncio.create_task(_timed(session, url, _completion(f"online {i}", 4), t0))
+                  for i in range(2)]
+        batch_done = await asyncio.gather(*batch)
+        online_done = await asyncio.gather(*online)
+    assert waiting >= 1, "the server should hold batch requests in its queue"  # server-reported
+    assert all(status == 200 for status, _ in batch_done + online_done)
+    finished = sorted(t for _, t in batch_done)
+    # Both online requests were admitted ahead of the queued batch ones: they end before the
+    # batch requests that were still waiting when they arrived (all but the first two).
+    assert max(t for _, t in online_done) < finished[MAX_NUM_SEQS], (online_done, batch_done)
+
+
+async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_once(
+    vllm_priority: VLLMServer, tmp_path: Path
+) -> None:
+    shard = tmp_path / "shard.jsonl"
+    lines = [{"custom_id": f"b{i:03d}", "method": "POST", "url": "/v1/completions",
+              "body": _completion(f"batch item {i}", 16)} for i in range(40)]
+    shard.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = DriverConfig(endpoint=vllm_priority.base_url, concurrency=8, deadline=time.time() + 600,
+                          api_key_env=None, capacity=SharedCapacity(target_inflight=MAX_NUM_SEQS, tick_s=0.1))
+    await check_endpoint(config, SERVED_NAME)  # the server reports priority scheduling: accepted
+    history: list[tuple[float, int, str]] = []
+
+    async def burst() -> list[int]:
+        await asyncio.sleep(1.0)
+        for ctl in shared_capacity.REGISTRY.live():
+            history.extend(ctl.history)
+        async with aiohttp.ClientSession() as session:
+            t0 = time.monotonic()
+            statuses: list[int] = []
+            while time.monotonic() - t0 < 3.0:
+                answers = await asyncio.gather(*(_timed(session, vllm_priority.base_url,
+                                                        _completion(f"online {i}", 8), t0) for i in range(6)))
+                statuses += [s for s, _ in answers]
+        for ctl in shared_capacity.REGISTRY.live():
+            history.extend(ctl.history)
+        return statuses
+
+    burst_task = asyncio.create_task(burst())
+    outcome = await run_shard(LocalStorage(), str(shard), str(tmp_path / "results"), config)
+    online_statuses = await burst_task
+    assert (outcome.completed, outcome.failed) == (40, 0)
+    results = [json.loads(line) for f in sorted((tmp_path / "results").rglob("*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in results) == [f"b{i:03d}" for i in range(40)]  # each once
+    assert online_statuses and set(online_statuses) == {200}
+    reasons = {reason for _, _, reason in history}
+    # vLLM's own queue (its /metrics) told the controller online requests were waiting: it held
+    # every batch request back, then grew again.
+    assert policy.ONLINE_WAITING in reasons, reasons
+    assert 0 in {limit for _, limit, _ in history}
+
+
+async def test_shared_mode_is_refused_against_a_server_that_schedules_first_come_first_served(
+    vllm_chat: VLLMServer,
+) -> None:
+    config = DriverConfig(endpoint=vllm_chat.base_url, api_key_env=None, capacity=SharedCapacity())
+    with pytest.raises(SharedModeRefused, match="policy 'fcfs'.*--scheduling-policy priority"):
+        await check_endpoint(config, SERVED_NAME)
+
+
+def _wait_for_dag(deployment, token: str, paused: bool) -> None:
+    deadline = time.monotonic() + 120
+    while True:  # the dag-processor parses the DAG folder shortly after start
+        try:
+            deployment.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": paused}, token)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, "batch_inference was not parsed in time"
+            time.sleep(1)
+
+
+def test_three_batches_submitted_together_finish_in_deadline_order(
+    airflow_session_env: dict, vllm_priority: VLLMServer, tmp_path: Path,
+) -> None:
+    """One worker slot (parallelism 1), three batches queued at once, submitted latest deadline
+    first: the cluster policy (deadline_order.py) runs the tight one first, then the moderate
+    one, then the relaxed one, in shared mode against the priority-scheduled server. A fourth
+    run that asks for dedicated mode on that shared endpoint fails with its reason."""
+    from aibrix_operators.local_airflow import start_airflow
+    from tests.integration.conftest import chat_requests, read_jsonl, write_jsonl
+
+    home = tmp_path / "airflow"
+    env = {**airflow_session_env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__PARALLELISM": "1",
+           "AIRFLOW__AIBRIX_BATCH__SHARED_ENDPOINTS": vllm_priority.base_url}
+    deployment = start_airflow(env, home)
+    try:
+        token = deployment.token()
+        _wait_for_dag(deployment, token, paused=True)
+        runs: dict[str, str] = {}
+        for name, window, mode in (("relaxed", "24h", ""), ("moderate", "2h", ""), ("tight", "20m", ""),
+                                   ("insists_dedicated", "12h", "dedicated")):
+            requests = chat_requests(4)
+            conf = {"input_uri": str(write_jsonl(tmp_path / f"{name}.jsonl", requests)),
+                    "output_uri": str(tmp_path / f"out-{name}"), "endpoint": vllm_priority.base_url,
+                    "model": SERVED_NAME, "requests_per_shard": 2, "completion_window": window,
+                    "capacity_mode": mode, "endpoint_wait_s": 5}
+            run = deployment.api("POST", "/api/v2/dags/batch_inference/dagRuns",
+                                 {"logical_date": None, "conf": conf}, token)
+            runs[name] = run["dag_run_id"]
+        _wait_for_dag(deployment, token, paused=False)
+        deadline = time.monotonic() + 900
+        states: dict[str, str] = {}
+        while len(states) < len(runs):
+            assert time.monotonic() < deadline, f"runs not finished: {states}"
+            time.sleep(2)
+            for name, run_id in runs.items():
+                run = deployment.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}", token=token)
+                if run["state"] in ("success", "failed"):
+                    states[name] = run["state"]
+        merged_at = {}
+        for name in ("tight", "moderate", "relaxed"):
+            path = f"/api/v2/dags/batch_inference/dagRuns/{runs[name]}/taskInstances/merge"
+            ti = deployment.api("GET", path, token=token)
+            merged_at[name] = ti["end_date"]
+    finally:
+        deployment.stop()
+    assert states == {"relaxed": "success", "moderate": "success", "tight": "success",
+                      "insists_dedicated": "failed"}
+    assert sorted(merged_at, key=merged_at.get) == ["tight", "moderate", "relaxed"], merged_at
+    for name in ("tight", "moderate", "relaxed"):
+        output = read_jsonl((tmp_path / f"out-{name}" / "output.jsonl").read_text())
+        assert sorted(r["custom_id"] for r in output) == [f"req-{i:04d}" for i in range(4)]
+    refused = json.loads((tmp_path / "out-insists_dedicated" / "batch.json").read_text())
+    error = refused["errors"]["data"][0]
+    assert error["code"] == "capacity_mode_refused", refused
+    assert "also serves online traffic" in error["message"]
