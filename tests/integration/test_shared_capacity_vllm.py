@@ -94,13 +94,19 @@ async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_on
         # Held here, not looked up again at the end: a controller leaves the registry when its
         # shard ends, which on a quiet machine can be before the burst does.
         controllers = shared_capacity.REGISTRY.live()
+        statuses: list[int] = []
+
+        async def client(i: int) -> None:  # closed loop: the next request as soon as one ends
+            while time.monotonic() - t0 < 3.0:
+                status, _ = await _timed(session, vllm_priority.base_url, _completion(f"online {i}", 16), t0)
+                statuses.append(status)
+
+        # Eight clients against two sequences: six online requests queue at the server all the
+        # burst long, whenever its /metrics is read (rounds of six that all had to end before
+        # the next one left gaps in which a scrape could see an empty queue).
         async with aiohttp.ClientSession() as session:
             t0 = time.monotonic()
-            statuses: list[int] = []
-            while time.monotonic() - t0 < 3.0:
-                answers = await asyncio.gather(*(_timed(session, vllm_priority.base_url,
-                                                        _completion(f"online {i}", 8), t0) for i in range(6)))
-                statuses += [s for s, _ in answers]
+            await asyncio.gather(*(client(i) for i in range(8)))
         return statuses, controllers
 
     burst_task = asyncio.create_task(burst())
