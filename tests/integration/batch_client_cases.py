@@ -157,10 +157,11 @@ def test_cli_pool_file_caps_the_batchs_running_shards(api, tmp_path):
     at most max_workers dispatch tasks working at once, seen in Airflow's task instances."""
     pool = tmp_path / "pool.yaml"
     pool.write_text("pool:\n  max_workers: 2\n  requests_per_shard: 4\n  concurrency: 1\n")
-    # 6 shards, each long enough (4 x 256 tokens one at a time: ~6 s here, more on a loaded
-    # machine) that shards 2-5 are checked while 0 and 1 still work. With 32-token requests a
-    # loaded CI machine started shard 2 only after 0 and 1 had ended, so nothing ever waited.
-    requests = chat_requests(24, max_tokens=256)
+    # 6 shards, each long enough (4 x 1024 tokens one at a time: ~20 s here) that shards 2-5
+    # are checked while 0 and 1 still work. On a loaded machine a dispatch task's process takes
+    # ~8 s from start to its turn check: with 4-second shards (256 tokens) 0 and 1 had ended by
+    # then, so nothing ever waited and the cap was not exercised.
+    requests = chat_requests(24, max_tokens=1024)
     for request in requests:
         request["body"]["ignore_eos"] = True
     path = write_jsonl(tmp_path / "in.jsonl", requests)
