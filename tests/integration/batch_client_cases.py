@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-import pytest
-from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -228,30 +222,6 @@ def test_client_and_sdk_agree_on_one_batch(api, tmp_path):
     assert list(client.results(done, errors=True)) == []
     assert batch.id in [b.id for b in client.list(limit=100)]
     assert client.openai.batches.list(limit=1).data[0].id == sdk.batches.list(limit=1).data[0].id
-
-
-def _binary(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:  # a broken setup, not a reason to skip: `make setup` installs it
-        raise FileNotFoundError(f"{name} not on PATH: apt-get install -y {package} (make setup)")
-    return path
-
-
-@pytest.fixture
-def browser(tmp_path) -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = _binary("chromium", "chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    service = Service(_binary("chromedriver", "chromium-driver"),
-                      log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(options=options, service=service)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def test_monitor_url_opens_the_run_in_the_airflow_ui(api, browser, tmp_path):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.remote.webdriver import WebDriver
 
 from aibrix_operators.local_airflow import airflow_cli
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
@@ -108,3 +112,30 @@ def chat_requests(n: int, model: str = SERVED_NAME, max_tokens: int = 8) -> list
 
 def read_jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# Headless Chromium for the UI tests (the trigger form, monitor_url): one per test.
+def system_binary(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        # A missing browser is a broken setup, not a reason to skip: `make setup` installs it.
+        raise FileNotFoundError(f"{name} not on PATH: apt-get install -y {package} (make setup)")
+    return path
+
+
+@pytest.fixture
+def browser(tmp_path) -> Iterator[WebDriver]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = system_binary("chromium", "chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    # An explicit driver path: Selenium Manager would otherwise try to download one.
+    service = Service(system_binary("chromedriver", "chromium-driver"),
+                      log_output=str(tmp_path / "chromedriver.log"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        driver.quit()

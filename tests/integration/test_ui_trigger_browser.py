@@ -16,9 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -34,14 +32,6 @@ UI_WAIT_S = 60  # page loads and form rendering on a busy 2-core machine
 RUN_WAIT_S = 300  # the run itself: four tasks scheduled one after another, plus vLLM
 
 
-def _system_binary(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        # A missing browser is a broken setup, not a reason to skip: `make setup` installs it.
-        raise FileNotFoundError(f"{name} not on PATH: apt-get install -y {package} (make setup)")
-    return path
-
-
 @pytest.fixture
 def airflow(airflow_session_env, tmp_path_factory) -> Iterator[AirflowDeployment]:
     home = tmp_path_factory.mktemp("airflow-ui")
@@ -50,24 +40,6 @@ def airflow(airflow_session_env, tmp_path_factory) -> Iterator[AirflowDeployment
         yield deployment
     finally:
         deployment.stop()
-
-
-@pytest.fixture
-def browser(tmp_path) -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = _system_binary("chromium", "chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    # An explicit driver path: Selenium Manager would otherwise try to download one.
-    service = Service(_system_binary("chromedriver", "chromium-driver"),
-                      log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(options=options, service=service)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _wait_for_dag(airflow: AirflowDeployment, dag_id: str, timeout_s: float = 120) -> None:
