@@ -13,24 +13,14 @@ from pathlib import Path
 
 import pytest
 from kvcache_testlib import load_make_lora
+from test_kvcache_keys import NS  # the namespace the key tests use
 
 from kvcache import adapters
 from kvcache.adapters import AdapterUnavailable, adapter_fingerprint, adapter_identity
-from kvcache.keys import KeyNamespace, chain_root, chunk_hashes
+from kvcache.keys import chain_root, chunk_hashes
 
 make_lora = load_make_lora()
 
-NS = KeyNamespace(
-    model="m@",
-    dtype="torch.float32",
-    block_size=4,
-    chunk_tokens=4,
-    num_layers=2,
-    kv_heads=2,
-    head_size=8,
-    kv_layout="cpu/None/FullAttentionSpec",
-    tp_size=1,
-)
 TOKENS = list(range(8))
 # chunk_hashes(NS, TOKENS) and with salt="tenant-a", computed by the connector before LoRA
 # requests were cached (c74d59a): base and salted keys must not change, or every record
