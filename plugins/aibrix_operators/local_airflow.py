@@ -75,6 +75,29 @@ class AirflowDeployment:
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:2000]!r}") from exc
 
+    def failure_report(self, dag_id: str, run_id: str, log_lines: int = 15) -> str:
+        """Which tasks of a run did not succeed, each with the last lines of its log: what a
+        failed run's assertion should print, since the run's Airflow home is gone after it."""
+        token = self.token()
+        base = f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances"
+        tis = self.api("GET", f"{base}?limit=100", token=token)["task_instances"]
+        out = []
+        for ti in tis:
+            if ti["state"] in ("success", "skipped"):
+                continue
+            out.append(f"{ti['task_id']}[{ti['map_index']}] {ti['state']} try {ti['try_number']}")
+            if ti["try_number"] < 1:
+                continue
+            try:
+                log = self.api("GET", f"{base}/{ti['task_id']}/logs/{ti['try_number']}"
+                               f"?map_index={ti['map_index']}&full_content=true", token=token)
+            except AssertionError as exc:
+                out.append(f"  (no log: {exc})")
+                continue
+            events = [e.get("event", e) if isinstance(e, dict) else e for e in log.get("content", [])]
+            out.extend(f"  {str(e)[:500]}" for e in events[-log_lines:])
+        return "\n".join(out) or "every task succeeded or was skipped"
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             stop_process_group(proc)

@@ -175,7 +175,7 @@ def test_roles_scale_up_beside_dispatch_and_down_after_merge(airflow, cluster, s
     n_requests = len(cluster.store.requests)
     with drivers_pending_until_autoscale_decided(airflow, cluster):
         run = run_batch(airflow, s3_server, vllm_chat, "ok", 4)
-    assert run["state"] == "success"
+    assert run["state"] == "success", airflow.failure_report("batch_inference", run["dag_run_id"])
     run_id = run["dag_run_id"]
     states = task_states(airflow, run_id)
     assert states["roles_ready"] == ["success"] and states["autoscale"] == ["success"]

@@ -29,7 +29,7 @@ def test_rest_api_triggers_a_batch_run(airflow, vllm_chat, tmp_path):
         "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
         "model": SERVED_NAME, "requests_per_shard": 5,
     }, timeout_s=300)
-    assert run["state"] == "success", f"run ended {run['state']}"
+    assert run["state"] == "success", airflow.failure_report("batch_inference", run["dag_run_id"])
     run_id = run["dag_run_id"]
     token = airflow.token()
 
