@@ -10,10 +10,13 @@ they hold, and what following a batch costs the api-server.
            deployment (bench/batch_api.py's: api-server, scheduler, SeaweedFS S3 storage root,
            the DAG paused so the batches stay queued): MB/s over the command's wall time.
   poll     api-server CPU per ``GET /v1/batches/{id}`` (what ``status --watch`` sends once a
-           second) on a batch *in progress* (5,000 requests against a stub endpoint answering
-           after 1 s, so live request_counts are read from the drivers' checkpoints): the
-           api-server process tree's CPU time (/proc utime+stime) over ``--polls`` back-to-back
-           polls, minus its CPU over an equally long idle window right after.
+           second) on a batch *in progress* (5,000 requests in one shard against a stub endpoint
+           answering after 1 s, so live request_counts are read from the drivers' checkpoints),
+           right after the first answers and again half-way (~2,500 answers, some 40 result
+           segments): the api-server process tree's CPU time (/proc utime+stime) over ``--polls``
+           back-to-back polls, minus its CPU over an equally long idle window right after; and
+           the same for ``GET /api/v2/version``, Airflow's cheapest route, as the floor of any
+           request to this api-server on this machine (a poll's cost is reported over it too).
 
     .venv/bin/python bench/cli_client.py --json /tmp/cli_client.json     # ~5 min
     .venv/bin/python bench/cli_client.py --phases results --results-mb 200
@@ -30,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -91,6 +96,27 @@ def phase_results(work: Path, mb: int, rounds: int) -> dict:
             "status_call_s": start_s, "rounds": rows}
 
 
+def server_cpu(pids: list[int], calls: int, call) -> dict:
+    """The api-server's CPU per call over ``calls`` back-to-back calls, net of its CPU over
+    an equally long idle window right after (the scheduler and the workers talk to it too)."""
+    cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+    for _ in range(calls):
+        call()
+    busy_cpu, busy_wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
+    cpu1 = cpu_seconds(pids)
+    time.sleep(busy_wall)
+    idle_cpu = cpu_seconds(pids) - cpu1
+    return {"calls": calls, "busy_cpu_s": busy_cpu, "idle_cpu_s": idle_cpu, "wall_s": busy_wall,
+            "per_call_ms": (busy_cpu - idle_cpu) / calls * 1000, "gross_per_call_ms": busy_cpu / calls * 1000}
+
+
+def report(label: str, row: dict) -> None:
+    print(f"  {label}: {row['calls']} calls in {row['wall_s']:.2f} s, "
+          f"api-server CPU {row['busy_cpu_s']:.2f} s "
+          f"(idle window {row['idle_cpu_s']:.2f} s) = {row['per_call_ms']:.2f} ms per call net, "
+          f"{row['gross_per_call_ms']:.2f} ms gross", flush=True)
+
+
 def phase_api(work: Path, upload_mb: int, rounds: int, polls: int) -> dict:
     import batch_api as deployment  # bench/batch_api.py: the same deployment its bench measures
 
@@ -133,21 +159,30 @@ def phase_api(work: Path, upload_mb: int, rounds: int, polls: int) -> dict:
             assert current.status in ("validating", "in_progress") and time.monotonic() < deadline, current
             time.sleep(1)
         pids = deployment.process_tree(dep.airflow.procs[0].pid)
-        cpu0, t0 = cpu_seconds(pids), time.perf_counter()
-        for _ in range(polls):
-            current = client.batches.retrieve(batch.id)
-        busy_cpu, busy_wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
-        still = current.status == "in_progress"
-        cpu1 = cpu_seconds(pids)
-        time.sleep(busy_wall)
-        idle_cpu = cpu_seconds(pids) - cpu1
-        per_poll_ms = (busy_cpu - idle_cpu) / polls * 1000
-        result["poll"] = {"polls": polls, "busy_cpu_s": busy_cpu, "idle_cpu_s": idle_cpu, "wall_s": busy_wall,
-                          "per_poll_ms": per_poll_ms, "gross_per_poll_ms": busy_cpu / polls * 1000,
-                          "in_progress_throughout": still, "counts": current.request_counts.model_dump()}
-        print(f"  poll: {polls} GETs in {busy_wall:.2f} s, api-server CPU {busy_cpu:.2f} s "
-              f"(idle window {idle_cpu:.2f} s) = {per_poll_ms:.2f} ms per poll net, "
-              f"{busy_cpu / polls * 1000:.2f} ms gross; still in progress: {still}", flush=True)
+        http = httpx.Client(base_url=dep.airflow.api_url, timeout=30)
+        # The api-server's floor: Airflow's own cheapest route, same client, same connection reuse.
+        result["floor"] = server_cpu(pids, polls, lambda: http.get("/api/v2/version").raise_for_status())
+        report("GET /api/v2/version (the floor)", result["floor"])
+        state = {}
+
+        def poll() -> None:
+            state["batch"] = client.batches.retrieve(batch.id)
+
+        result["poll_early"] = server_cpu(pids, polls, poll)
+        result["poll_early"]["counts"] = state["batch"].request_counts.model_dump()
+        report(f"poll, {state['batch'].request_counts.completed} answered", result["poll_early"])
+        while client.batches.retrieve(batch.id).request_counts.completed < 2500:
+            assert time.monotonic() < deadline + 300, "the poll batch stalled"
+            time.sleep(1)
+        result["poll"] = server_cpu(pids, polls, poll)
+        result["poll"]["counts"] = state["batch"].request_counts.model_dump()
+        result["poll"]["in_progress_throughout"] = state["batch"].status == "in_progress"
+        report(f"poll, {state['batch'].request_counts.completed} answered", result["poll"])
+        for key in ("poll_early", "poll"):
+            result[key]["over_floor_ms"] = result[key]["per_call_ms"] - result["floor"]["per_call_ms"]
+        print(f"  poll over the floor: {result['poll_early']['over_floor_ms']:.2f} ms early, "
+              f"{result['poll']['over_floor_ms']:.2f} ms half-way; still in progress: "
+              f"{result['poll']['in_progress_throughout']}", flush=True)
         client.batches.cancel(batch.id)
         return result
     finally:

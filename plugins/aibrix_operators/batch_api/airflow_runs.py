@@ -13,6 +13,7 @@ so the prefix match of a tenant never catches another's runs.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,11 +26,10 @@ from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.files import batch_output_uri
-from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
+from aibrix_operators.driver.results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 RUN_PREFIX = "openai__"
-_BINDINGS: dict[tuple[str, int], str] = {}  # (shard uri, size) → binding: shards never change
 _TERMINAL_RUN_STATES = ("success", "failed")
 # Statuses whose request counts come live from the drivers' checkpoints.
 RUNNING = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
@@ -38,6 +38,19 @@ RUNNING = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZI
 # of finished batches costs no storage reads after the first.
 _FINISHED: dict[tuple[str, datetime | None], tuple[dict[str, Any] | None, int | None]] = {}
 _FINISHED_MAX = 20_000
+# A poll of a running batch (``aibrix-batch status --watch``: once a second per watcher)
+# must cost the api-server little, however far the batch has got. What a finished step
+# produced never changes until the step runs again, with a new end date, so it is kept
+# per (run id, step, end): validate's and split's return values, and the final counts of
+# a shard whose dispatch task succeeded. A running shard keeps a tally that reads only the
+# result segments written since the last poll. The three are bounded; past a bound the
+# cache starts over (a cost, never a wrong count).
+_STEP_VALUES: dict[tuple[str, str, int | None], Any] = {}
+_SHARD_COUNTS: dict[tuple[str, int, int | None], tuple[int, int]] = {}
+_TALLIES: dict[tuple[str, str, int | None], ResultTally] = {}
+_CACHE_MAX = 20_000
+_TALLIES_MAX = 1_000  # each holds its shard's answered ids
+_TALLIES_LOCK = threading.Lock()
 # Storage reads of one page run side by side: each is mostly a wait on the object store.
 _READS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="batch-api-read")
 
@@ -185,43 +198,86 @@ class BatchRuns:
 
     def _storage_reads(self, row: RunRow, snap: RunSnapshot) -> list[str]:
         """The objects this run's batch object depends on, ``batch.json`` and the cancel
-        marker, once one of its tasks has started: only tasks write ``batch.json``, and a
-        cancel before that is on the run (``record_cancel``). A page of queued runs costs
-        no storage read."""
+        marker, when a step that writes ``batch.json`` may have written it.
+
+        Validate writes it when the file is refused, merge and record_failure at the end.
+        Between validate's success and the start of either of the others (the whole time
+        dispatch runs) nothing can have written it, and a cancel is on the run itself
+        (``record_cancel``, in the same API call that writes the marker), so polling a
+        running batch reads neither. A page of queued runs reads nothing either."""
         output = str(row.conf.get("output_uri", ""))
         if not output.startswith(self.root + "/"):
             return []  # not a run this API made: show nothing from storage
-        started = any(t.start is not None for states in snap.tasks.values() for t in states)
-        if not started and snap.run_state not in _TERMINAL_RUN_STATES:
-            return []
+        if snap.run_state not in _TERMINAL_RUN_STATES:
+            started = any(t.start is not None for states in snap.tasks.values() for t in states)
+            validated = _succeeded(snap.step(Step.VALIDATE))
+            ending = any(t.start is not None for step in (Step.MERGE, Step.RECORD_FAILURE)
+                         for t in snap.step(step))
+            if not started or (validated and not ending):
+                return []
         return [join_uri(output, BATCH_FILE), cancel_marker_uri(work_prefix(output, row.run_id))]
 
     def _live_counts(self, snap: RunSnapshot, run_id: str, work: str) -> None:
-        validated = self._xcom(run_id, Step.VALIDATE)
+        validated = self._step_value(snap, run_id, Step.VALIDATE)
         if isinstance(validated, dict):
             snap.total_requests = int(validated.get("total_requests") or 0)
-        shards = self._xcom(run_id, "split")
+        shards = self._step_value(snap, run_id, Step.SPLIT)
         if not isinstance(shards, list):
             return
+        split_end = _end_if_succeeded(snap.step(Step.SPLIT))
+        # Dispatch is mapped over split's list: task i is shard i once every task exists.
+        dispatch = snap.step(Step.DISPATCH)
+        dispatch = dispatch if len(dispatch) == len(shards) else []
         answered = errors = 0
-        for item in shards:
+        for index, item in enumerate(shards):
             shard = ShardSpec.from_dict(item)
+            done_key = None
+            if dispatch and dispatch[index].state == "success":
+                done_key = (run_id, index, dispatch[index].end)
+                if done_key in _SHARD_COUNTS:
+                    shard_answered, shard_errors = _SHARD_COUNTS[done_key]
+                    answered += shard_answered
+                    errors += shard_errors
+                    continue
+            tally_key = (run_id, shard.name, split_end)
             try:
-                binding = self._binding(shard.uri)
-                done, failed = ResultLog(self.storage, results_prefix(work, shard.name), binding).scan()
+                tally = self._tally(tally_key, shard, work)
+                shard_answered, shard_errors = tally.update()
             except (StorageError, OSError):
                 continue  # a shard being written or a store hiccup: counts catch up next poll
-            answered += len(done)
-            errors += failed
+            answered += shard_answered
+            errors += shard_errors
+            if done_key is not None and split_end is not None:
+                _remember(_SHARD_COUNTS, done_key, (shard_answered, shard_errors))
+                with _TALLIES_LOCK:
+                    _TALLIES.pop(tally_key, None)
         snap.live_counts = (snap.total_requests or sum(s["num_requests"] for s in shards), answered, errors)
 
-    def _binding(self, uri: str) -> str:
-        key = (uri, self.storage.size(uri))
-        if key not in _BINDINGS:
-            if len(_BINDINGS) > 10_000:
-                _BINDINGS.clear()
-            _BINDINGS[key] = fingerprint_shard(self.storage, uri).binding
-        return _BINDINGS[key]
+    def _tally(self, key: tuple[str, str, int | None], shard: ShardSpec, work: str) -> ResultTally:
+        """The shard's tally, kept across polls while split's output stands (``key[2]``)."""
+        with _TALLIES_LOCK:
+            tally = _TALLIES.get(key)
+        if tally is not None:
+            return tally
+        binding = fingerprint_shard(self.storage, shard.uri).binding
+        tally = ResultTally(ResultLog(self.storage, results_prefix(work, shard.name), binding))
+        if key[2] is not None:
+            with _TALLIES_LOCK:
+                if len(_TALLIES) >= _TALLIES_MAX:
+                    _TALLIES.clear()
+                tally = _TALLIES.setdefault(key, tally)
+        return tally
+
+    def _step_value(self, snap: RunSnapshot, run_id: str, step: Step) -> Any:
+        """A step's return value, read once after the step succeeded."""
+        end = _end_if_succeeded(snap.step(step))
+        key = (run_id, str(step), end)
+        if end is not None and key in _STEP_VALUES:
+            return _STEP_VALUES[key]
+        value = self._xcom(run_id, step)
+        if end is not None and value is not None:
+            _remember(_STEP_VALUES, key, value)
+        return value
 
     def _xcom(self, run_id: str, task_id: str) -> Any:
         from airflow.models.xcom import XComModel
@@ -249,6 +305,21 @@ class BatchRuns:
 
     def output_uri(self, tenant: str, batch_id: str) -> str:
         return batch_output_uri(self.root, tenant, batch_id)
+
+
+def _succeeded(tasks: list[TaskState]) -> bool:
+    return bool(tasks) and all(t.state == "success" for t in tasks)
+
+
+def _end_if_succeeded(tasks: list[TaskState]) -> int | None:
+    """The end of an unmapped step that succeeded: what its cached values are keyed by."""
+    return tasks[0].end if len(tasks) == 1 and tasks[0].state == "success" else None
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = value
 
 
 def _int_or_none(value: Any) -> int | None:

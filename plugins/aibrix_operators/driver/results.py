@@ -21,6 +21,7 @@ Layout: ``<results prefix>/<binding>/seg-<attempt>-<seq>.jsonl``.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -112,13 +113,9 @@ class ResultLog:
 
     def scan(self) -> tuple[set[str], int]:
         """The answered ``custom_id``s, and how many of those answers are error lines."""
-        done: set[str] = set()
-        errors = 0
-        for record, _ in self._stored():
-            if record["custom_id"] not in done:
-                done.add(record["custom_id"])
-                errors += record.get("error") is not None
-        return done, errors
+        tally = ResultTally(self)
+        tally.update()
+        return tally.done, tally.errors
 
     def append(self, line: bytes) -> None:
         self._buffer.append(line)
@@ -150,3 +147,50 @@ class ResultLog:
         segment = self.take_segment()
         if segment is not None:
             self.storage.write_bytes(*segment)
+
+
+class ResultTally:
+    """A result log's answered ``custom_id``s and error count, reading each segment once.
+
+    A segment is written whole and never changes, so a caller that polls a running
+    shard (the Batch API's live ``request_counts``) reads only the segments that
+    appeared since its last ``update``: a poll costs one listing, not a read of every
+    result so far. Counting is the same as merge's (the first answer per ``custom_id``
+    in segment order decides whether it is an error), so when a segment appears that
+    sorts before one already counted (an overlapping older attempt), or one counted
+    is gone (the log was cleared), the tally starts over from the listing. Polls of one
+    batch may come on several api-server threads at once: ``update`` takes them in turn.
+    """
+
+    def __init__(self, log: ResultLog) -> None:
+        self.log = log
+        self.done: set[str] = set()
+        self.errors = 0
+        self.segments_read = 0  # segment reads over this tally's life (what a poll costs)
+        self._counted: list[str] = []  # segment names, in the order they were counted
+        self._lock = threading.Lock()
+
+    def update(self) -> tuple[int, int]:
+        """Count the segments not counted yet; returns ``(answered, errors)``."""
+        with self._lock:
+            return self._update()
+
+    def _update(self) -> tuple[int, int]:
+        names = [(u.rsplit("/", 1)[-1], u) for u in self.log.segments()]
+        counted = set(self._counted)
+        new = [(name, uri) for name, uri in names if name not in counted]
+        if len(names) - len(new) != len(self._counted) or (
+                new and self._counted and new[0][0] < self._counted[-1]):
+            self.done, self.errors, self._counted = set(), 0, []
+            new = names
+        for name, uri in new:
+            self.segments_read += 1
+            for line in self.log.storage.read_bytes(uri).splitlines():
+                if not line:
+                    continue
+                record = loads(line)
+                if record["custom_id"] not in self.done:
+                    self.done.add(record["custom_id"])
+                    self.errors += record.get("error") is not None
+            self._counted.append(name)
+        return len(self.done), self.errors
