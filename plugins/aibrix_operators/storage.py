@@ -36,7 +36,10 @@ class Storage(Protocol):
 
     def read_bytes(self, uri: str) -> bytes: ...
 
-    def list(self, prefix_uri: str) -> list[str]: ...
+    def list(self, prefix_uri: str, after: str | None = None) -> list[str]:
+        """The objects under a prefix, sorted; with ``after`` (a URI under it), only those
+        that sort after it (S3's ``StartAfter``: a listing that costs what is new)."""
+        ...
 
     def exists(self, uri: str) -> bool: ...
 
@@ -103,14 +106,16 @@ class LocalStorage:
         with self.open_read(uri) as fh:
             return fh.read()
 
-    def list(self, prefix_uri: str) -> list[str]:
+    def list(self, prefix_uri: str, after: str | None = None) -> list[str]:
         """Files directly or indirectly under a directory, skipping in-progress temp files."""
         root = self._path(prefix_uri)
         if not root.is_dir():
             return []
-        return sorted(
-            str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
-        )
+        found = sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if after is None:
+            return found
+        after_path = str(self._path(after))
+        return [p for p in found if p > after_path]
 
     def exists(self, uri: str) -> bool:
         return self._path(uri).exists()
@@ -271,12 +276,19 @@ class S3Storage:
         with self.open_read(uri) as fh:
             return fh.read()
 
-    def list(self, prefix_uri: str) -> list[str]:
+    def list(self, prefix_uri: str, after: str | None = None) -> list[str]:
         bucket, prefix = split_s3_uri(prefix_uri)
         prefix = prefix.rstrip("/") + "/"
+        extra: dict[str, str] = {}
+        if after is not None:
+            after_bucket, after_key = split_s3_uri(after)
+            if after_bucket != bucket or not after_key.startswith(prefix):
+                raise StorageError(f"cannot list {prefix_uri} after {after}: not an object under it")
+            extra["StartAfter"] = after_key
         paginator = self.client.get_paginator("list_objects_v2")
         out: list[str] = []
-        pages = self._call("list", prefix_uri, lambda: list(paginator.paginate(Bucket=bucket, Prefix=prefix)))
+        pages = self._call("list", prefix_uri,
+                           lambda: list(paginator.paginate(Bucket=bucket, Prefix=prefix, **extra)))
         for page in pages:
             out.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
         return sorted(out)

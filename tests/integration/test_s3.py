@@ -44,6 +44,19 @@ def test_failed_write_publishes_nothing(s3_server, bucket):
     assert not storage.exists(uri)
 
 
+def test_a_listing_after_a_key_returns_only_what_sorts_after_it(s3_server, bucket):
+    storage = S3Storage(s3_server.client())
+    uris = [f"s3://{bucket}/listing/seg-{i:06d}.jsonl" for i in range(5)]
+    for uri in uris:
+        storage.write_bytes(uri, b"{}\n")
+    storage.write_bytes(f"s3://{bucket}/listing-other/seg-000009.jsonl", b"{}\n")  # same start
+    assert storage.list(f"s3://{bucket}/listing") == uris
+    assert storage.list(f"s3://{bucket}/listing", after=uris[2]) == uris[3:]
+    assert storage.list(f"s3://{bucket}/listing", after=uris[-1]) == []
+    with pytest.raises(StorageError, match="not an object under it"):
+        storage.list(f"s3://{bucket}/listing", after=f"s3://{bucket}/elsewhere/x")
+
+
 def test_wrong_credentials_are_a_clear_error(s3_server, bucket):
     import boto3
 

@@ -24,14 +24,25 @@ class CountingStorage(LocalStorage):
     def __init__(self) -> None:
         self.reads: list[str] = []
         self.listings = 0
+        self.listed: list[str] = []  # what each listing returned, all of them
 
     def read_bytes(self, uri: str) -> bytes:
         self.reads.append(uri)
         return super().read_bytes(uri)
 
-    def list(self, prefix_uri: str) -> list[str]:
+    def list(self, prefix_uri: str, after: str | None = None) -> list[str]:
         self.listings += 1
-        return super().list(prefix_uri)
+        found = super().list(prefix_uri, after)
+        self.listed.extend(found)
+        return found
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _segment(log: ResultLog, *records: dict[str, Any]) -> None:
@@ -59,11 +70,14 @@ def test_a_poll_reads_only_the_segments_written_since_the_last(tmp_path) -> None
     assert len(storage.reads) == 3
 
     storage.reads.clear()
+    storage.listed.clear()
     assert tally.update() == (6, 0)  # nothing new: a listing, no read
     assert storage.reads == []
+    assert storage.listed == []  # and the listing starts after the last counted: it is empty
 
     _segment(writer, _ok("c"), _bad("d"))
     assert tally.update() == (8, 1)
+    assert storage.listed == storage.reads  # the listing returned only the new segment
     assert len(storage.reads) == 1 and storage.reads[0] == writer.segments()[-1]
 
 
@@ -73,18 +87,24 @@ def test_the_tally_counts_as_a_full_scan_does_when_attempts_overlap_or_the_log_i
     older = ResultLog(storage, prefix, "b1")  # attempt ids sort by start: this one first
     newer = ResultLog(storage, prefix, "b1")
     _segment(newer, _ok("x"), _ok("y"))
-    tally = ResultTally(ResultLog(storage, prefix, "b1"))
+    clock = Clock()
+    tally = ResultTally(ResultLog(storage, prefix, "b1"), full_listing_s=30, clock=clock)
     assert tally.update() == (2, 0)
 
     # The older attempt (a zombie driver) writes late: its answer to x sorts first, so x
-    # is an error as merge will publish it, not the success counted so far.
+    # is an error as merge will publish it, not the success counted so far. A listing
+    # after the last counted segment cannot see it; the next whole listing does.
     _segment(older, _bad("x"), _ok("z"))
+    clock.now = 29.0
+    assert tally.update() == (2, 0)
+    clock.now = 30.0
     assert tally.update() == (3, 1) == (len(older.scan()[0]), older.scan()[1])
 
     for uri in older.segments():
         if older.attempt_id in uri:
             LocalStorage._path(uri).unlink()  # the older attempt's segments cleared
     _segment(newer, _ok("w"))
+    clock.now = 60.0
     assert tally.update() == (3, 0) == (len(newer.scan()[0]), newer.scan()[1])
 
 

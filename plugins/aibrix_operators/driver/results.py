@@ -24,7 +24,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aibrix_operators.batch.jsonfast import loads
@@ -91,9 +91,11 @@ class ResultLog:
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
 
-    def segments(self) -> list[str]:
-        """This binding's segments, oldest attempt first (the order merge reads them in)."""
-        found = [u for u in self.storage.list(self.prefix) if u.endswith(SEGMENT_SUFFIX)]
+    def segments(self, after: str | None = None) -> list[str]:
+        """This binding's segments, oldest attempt first (the order merge reads them in);
+        with ``after`` (one of them), only those that sort after it."""
+        listed = self.storage.list(self.prefix) if after is None else self.storage.list(self.prefix, after)
+        found = [u for u in listed if u.endswith(SEGMENT_SUFFIX)]
         return sorted(found, key=lambda u: u.rsplit("/", 1)[-1])
 
     def _stored(self) -> Iterator[tuple[dict, bytes]]:
@@ -154,36 +156,53 @@ class ResultTally:
 
     A segment is written whole and never changes, so a caller that polls a running
     shard (the Batch API's live ``request_counts``) reads only the segments that
-    appeared since its last ``update``: a poll costs one listing, not a read of every
-    result so far. Counting is the same as merge's (the first answer per ``custom_id``
-    in segment order decides whether it is an error), so when a segment appears that
-    sorts before one already counted (an overlapping older attempt), or one counted
-    is gone (the log was cleared), the tally starts over from the listing. Polls of one
-    batch may come on several api-server threads at once: ``update`` takes them in turn.
+    appeared since its last ``update``, found by a listing that starts after the last
+    one counted (S3's ``StartAfter``): a poll costs what is new, not a listing and a read
+    of every result so far. Counting is the same as merge's (the first answer per
+    ``custom_id`` in segment order decides whether it is an error). Two things only a
+    whole listing shows: a segment that sorts before one already counted (an overlapping
+    older attempt) and a counted one that is gone (the log was cleared). One is taken at
+    least every ``full_listing_s``, and on either the tally starts over, so the live
+    counts are right again within that time. Polls of one batch may come on several
+    api-server threads at once: ``update`` takes them in turn.
     """
 
-    def __init__(self, log: ResultLog) -> None:
+    def __init__(self, log: ResultLog, full_listing_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.log = log
+        self.full_listing_s = full_listing_s
         self.done: set[str] = set()
         self.errors = 0
         self.segments_read = 0  # segment reads over this tally's life (what a poll costs)
         self._counted: list[str] = []  # segment names, in the order they were counted
+        self._last_uri: str | None = None
+        self._clock = clock
+        self._full_listing_at: float | None = None
         self._lock = threading.Lock()
 
     def update(self) -> tuple[int, int]:
         """Count the segments not counted yet; returns ``(answered, errors)``."""
         with self._lock:
-            return self._update()
+            now = self._clock()
+            if self._full_listing_at is None or now - self._full_listing_at >= self.full_listing_s:
+                self._full_listing_at = now
+                self._count(self._new_in_full_listing())
+            else:
+                self._count(self.log.segments(after=self._last_uri))
+            return len(self.done), self.errors
 
-    def _update(self) -> tuple[int, int]:
-        names = [(u.rsplit("/", 1)[-1], u) for u in self.log.segments()]
+    def _new_in_full_listing(self) -> list[str]:
+        listed = self.log.segments()
         counted = set(self._counted)
-        new = [(name, uri) for name, uri in names if name not in counted]
-        if len(names) - len(new) != len(self._counted) or (
-                new and self._counted and new[0][0] < self._counted[-1]):
-            self.done, self.errors, self._counted = set(), 0, []
-            new = names
-        for name, uri in new:
+        new = [uri for uri in listed if _name(uri) not in counted]
+        if len(listed) - len(new) != len(self._counted) or (
+                new and self._counted and _name(new[0]) < self._counted[-1]):
+            self.done, self.errors, self._counted, self._last_uri = set(), 0, [], None
+            return listed
+        return new
+
+    def _count(self, uris: list[str]) -> None:
+        for uri in uris:
             self.segments_read += 1
             for line in self.log.storage.read_bytes(uri).splitlines():
                 if not line:
@@ -192,5 +211,9 @@ class ResultTally:
                 if record["custom_id"] not in self.done:
                     self.done.add(record["custom_id"])
                     self.errors += record.get("error") is not None
-            self._counted.append(name)
-        return len(self.done), self.errors
+            self._counted.append(_name(uri))
+            self._last_uri = uri
+
+
+def _name(uri: str) -> str:
+    return uri.rsplit("/", 1)[-1]
