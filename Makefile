@@ -125,7 +125,7 @@ test-orchestrator: setup eval-model
 # The KV-cache connector inside real vLLM CPU servers; two workers, whole files each
 # (2026-12-02, this VM: 420 s, all 131 passing).
 test-inference: setup
-	$(IVENV)/bin/python -m pytest -q --timeout=900 --durations=10 -n 2 --dist loadfile tests/kvcache
+	$(IVENV)/bin/python -m pytest -q --timeout=900 --durations=10 -n 2 --dist loadfile --no-loadscope-reorder tests/kvcache
 
 clean:
 	rm -rf $(WORK)/outputs $(WORK)/airflow $(WORK)/logs $(WORK)/tmp

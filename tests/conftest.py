@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,32 @@ LONGEST_FIRST = (
     "integration/test_ui_trigger_browser.py",
     "integration/test_rest_api.py",
     "images/test_airflow_image.py",
+    # The inference suite (its own run): files whose module fixtures start vLLM servers.
+    "kvcache/test_kvcache_vllm.py",
+    "kvcache/test_kvcache_pd.py",
+    "kvcache/test_router_pd.py",
+    "kvcache/test_kvcache_shared_l2.py",
+    "kvcache/test_kvcache_lora.py",
+    "kvcache/test_kvcache_prefix_replicas.py",
 )
+
+# Both suites run several vLLM servers at once (two xdist workers, module fixtures, servers a test
+# starts itself) on machines with as few as two cores. vLLM's automatic CPU binding pins every
+# server's engine to the same core (core 0 there; the last core is kept for other processes), and
+# explicit pins per test ("0" here, "1" there) collide the same way once two files run at once: a
+# server starting beside a busy one waits on that core. In a clean-clone run (2026-12-03) two
+# servers took over 240 s to start and failed the nightly-eval and endpoint tests, and by hand a
+# second server beside a loaded one was not up after 13 minutes, against 125 s unpinned. Unpinned
+# with one OpenMP thread each (the thread count a one-core pin gives, so the same numerics, and the
+# kvcache connector still copies inline: host_copy.host_threads), the kernel spreads them over the
+# cores. Set in the environment the servers inherit; a value set by whoever runs the suite wins,
+# and benches pin explicitly (LocalServer's threads_bind).
+UNPINNED_VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, value in UNPINNED_VLLM_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 @pytest.fixture(scope="session")

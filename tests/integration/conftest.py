@@ -24,23 +24,6 @@ INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 TINY_MODEL = WORK_DIR / "models" / "tiny-llama"
 SERVED_NAME = "tiny-llama"
 
-# This suite runs several vLLM servers at once (two xdist workers, module fixtures, servers a test
-# starts itself) on machines with as few as two cores. vLLM's automatic CPU binding pins every
-# server's engine to the same core (core 0 there; the last core is kept for other processes), so a
-# server starting beside a busy one waits on that core: in a clean-clone run (2026-12-03) two
-# servers took over 240 s to start and failed the nightly-eval and endpoint tests, and by hand a
-# second server beside a loaded one was not up after 13 minutes, against 125 s unpinned. Unpinned
-# with one OpenMP thread each (the thread count auto gives on two cores, so the same numerics),
-# the kernel spreads them over the cores. Set in the environment the servers inherit; a value set
-# by whoever runs the suite wins.
-UNPINNED_VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for name, value in UNPINNED_VLLM_ENV.items():
-        os.environ.setdefault(name, value)
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     if not (TINY_MODEL / "config.json").exists():

@@ -58,7 +58,6 @@ def lora(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         kv_config=kv_transfer_config(extra),
         prefix_caching=True,
         dev_mode=True,
-        threads_bind="0",
         max_model_len=2048,
         extra_args=["--enable-lora", "--max-lora-rank", "8", "--lora-modules", *modules],
     )

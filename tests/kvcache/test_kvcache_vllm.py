@@ -76,7 +76,7 @@ def redis_l2() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def base(tiny_model: str) -> Iterator[LocalServer]:
     """vLLM without the connector, its own prefix cache on (the reference for hits)."""
-    server = LocalServer(tiny_model, prefix_caching=True, dev_mode=True, threads_bind="0")
+    server = LocalServer(tiny_model, prefix_caching=True, dev_mode=True)
     with server:
         yield server
 
@@ -109,7 +109,7 @@ def conn(request: pytest.FixtureRequest, tiny_model: str, redis_l2: RedisServer,
     redis_l2.client().flushall()  # each server starts from an empty L2
     server = LocalServer(
         tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=request.param,
-        dev_mode=True, threads_bind="1",
+        dev_mode=True,
     )  # fmt: skip
     with server:
         yield Conn(server, metrics_port, fault)

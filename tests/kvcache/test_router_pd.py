@@ -70,15 +70,17 @@ class RouterProcess:
 @pytest.fixture(scope="module")
 def pd_router(tiny_model: str) -> Iterator[tuple[RouterProcess, LocalServer, int, RedisServer]]:
     redis_srv = RedisServer().start()
-    shared = {"l2_backend": "redis", "l2_redis_url": redis_srv.url}
+    # A Redis read slower than l2_redis_timeout_s marks L2 down for a moment: a load is then a
+    # miss and a handoff ends "unavailable", not what these tests check. The default 0.5 s was
+    # exceeded once while the two workers' servers shared the cores (make test-inference, 2026-12-03).
+    shared = {"l2_backend": "redis", "l2_redis_url": redis_srv.url, "l2_redis_timeout_s": 2.0}
     decode_metrics = free_port()
     producer = LocalServer(
-        tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer"), threads_bind="0"
+        tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer")
     )
     consumer = LocalServer(
         tiny_model,
         kv_config=kv_transfer_config({**shared, "metrics_port": decode_metrics}, role="kv_consumer"),
-        threads_bind="1",
     )
     for server in (producer, consumer):
         # The router reads vLLM's load gauges from /metrics; LocalServer turns stats off.
