@@ -15,6 +15,9 @@ Scenarios, same server, same trace, one run:
           server (``--online-first S --preempt-batch on``): an online request that finds the
           router full takes a forwarded batch request's slot at once (vLLM aborts that one; the
           driver sends it again), where the driver's controller reacts only at its next tick
+  online@gate, gate  the baseline and shared mode against a second server started with the
+          online-first middleware (``serving/online_first.py``): the same decision as the
+          router's, made inside vLLM's API server, so a shared endpoint needs no router for it
 
 plus ``idle``: the dedicated driver alone on the idle server, the reference for batch
 throughput. Online requests stream, so TTFT is the time to their first chunk; they run in a
@@ -197,7 +200,7 @@ async def run_scenario(name: str, url: str, args: argparse.Namespace, trace: lis
             await _plain_batch(url, shard, args.batch_concurrency, time.monotonic() + duration, plain_done)
         elif name in ("dedicated", "idle"):
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, None)
-        elif name in ("shared", "router"):
+        elif name in ("shared", "router", "gate"):
             capacity = SharedCapacity(target_inflight=args.max_num_seqs, tick_s=args.tick_s)
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, capacity)
         else:
@@ -294,20 +297,18 @@ def online_first_router(decode_url: str, slots: int):  # -> Iterator[str]
         proc.wait(timeout=15)
 
 
-async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
-    trace = phases(args.cycles, args.burst_s, args.idle_s)
+async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list, work: Path,
+                         online_first: bool) -> list[dict[str, Any]]:
     spec = VLLMServerSpec(model=str(MODEL), served_model_name=NAME, scheduling_policy="priority",
-                          extra_args=["--max-num-seqs", str(args.max_num_seqs)])
+                          online_first=online_first, extra_args=["--max-num-seqs", str(args.max_num_seqs)])
     results = []
-    with tempfile.TemporaryDirectory(prefix="shared-capacity-") as tmp, VLLMServer(spec) as server:
-        work = Path(tmp)
+    with VLLMServer(spec) as server:
         shard = work / "shard.jsonl"
-        write_shard(shard, args.batch_requests)
         # Warm the server (first requests compile and allocate).
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
                 await _online_request(session, server.base_url, 0, time.monotonic())
-        for name in args.scenarios:
+        for name in names:
             print(f"-- scenario {name}", flush=True)
             with_online = name != "idle"
             if name in ("router", "online@router"):
@@ -317,6 +318,21 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                 results.append(await run_scenario(name, server.base_url, args, trace, shard, work,
                                                   with_online))
             print(json.dumps(summarize(results[-1], trace)), flush=True)
+    return results
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    trace = phases(args.cycles, args.burst_s, args.idle_s)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="shared-capacity-") as tmp:
+        work = Path(tmp)
+        write_shard(work / "shard.jsonl", args.batch_requests)
+        # Scenarios on the gated server run after the others, on a server of their own.
+        plain = [n for n in args.scenarios if "gate" not in n]
+        gated = [n for n in args.scenarios if "gate" in n]
+        for names, online_first in ((plain, False), (gated, True)):
+            if names:
+                results += await _run_on_server(args, names, trace, work, online_first)
     return results
 
 
@@ -333,7 +349,7 @@ def main() -> None:
     p.add_argument("--tick-s", type=float, default=0.25, help="shared mode's controller tick")
     p.add_argument("--scenarios", nargs="+",
                    default=["online", "plain", "dedicated", "shared", "online@router", "router", "idle",
-                            "online#2"],
+                            "online#2", "online@gate", "gate"],
                    help="online#2: the baseline again at the end (its spread is the run's noise)")
     p.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
     p.add_argument("--json", type=Path, default=None, help="write the raw results here")
@@ -351,16 +367,20 @@ def main() -> None:
     if bases:
         base = sum(bases) / len(bases)
         print(f"online-only burst TTFT p99: {' / '.join(f'{b:.1f}' for b in bases)} ms (mean {base:.1f})")
-        for name in ("plain", "dedicated", "shared", "router"):
+        for name in ("plain", "dedicated", "shared", "router", "gate"):
             if name in rows and rows[name]["burst_ttft_p99_ms"]:
                 print(f"burst TTFT p99 {name}/online-only: {rows[name]['burst_ttft_p99_ms'] / base:.2f}"
-                      + ("  (target <= 1.10)" if name in ("shared", "router") else ""))
+                      + ("  (target <= 1.10)" if name in ("shared", "router", "gate") else ""))
     via_router = rows.get("online@router", {}).get("burst_ttft_p99_ms")
     if via_router and rows.get("router", {}).get("burst_ttft_p99_ms"):
         print(f"burst TTFT p99 router/online-only-through-the-router: "
               f"{rows['router']['burst_ttft_p99_ms'] / via_router:.2f}  (target <= 1.10)")
+    on_gate = rows.get("online@gate", {}).get("burst_ttft_p99_ms")
+    if on_gate and rows.get("gate", {}).get("burst_ttft_p99_ms"):
+        print(f"burst TTFT p99 gate/online-only-on-the-gated-server: "
+              f"{rows['gate']['burst_ttft_p99_ms'] / on_gate:.2f}  (target <= 1.10)")
     idle_ref = rows.get("idle", {}).get("batch_idle_rate")
-    for name in ("shared", "router"):
+    for name in ("shared", "router", "gate"):
         if idle_ref and name in rows and rows[name]["batch_idle_rate"] is not None:
             print(f"idle-phase batch rate {name}/dedicated-on-idle-server: "
                   f"{rows[name]['batch_idle_rate'] / idle_ref:.2f}  (target >= 0.80)")

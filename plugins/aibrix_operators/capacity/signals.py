@@ -20,6 +20,9 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 # The P/D router's own view (router/admission.py): online requests it holds or has in flight.
 ROUTER_ONLINE_WAITING = "aibrix_router_waiting_requests"
 ROUTER_INFLIGHT = "aibrix_router_inflight_requests"
+# A vLLM server with the online-first middleware (serving/online_first.py) holds requests beyond
+# --max-num-seqs itself, so vLLM's own waiting gauge no longer shows them: its count does.
+SERVER_ONLINE_WAITING = "aibrix_online_first_waiting_requests"
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class MetricsPage:
     ttft_sum: float | None = None
     ttft_count: float | None = None
     preemptions: float | None = None
-    router_online_waiting: float | None = None
+    router_online_waiting: float | None = None  # the router's, or the online-first server's
     router_inflight: float | None = None
 
     @property
@@ -53,7 +56,7 @@ class EndpointSignals:
     # towards backing off, never towards pushing.
     ttft_s: float | None
     preempted: float
-    online_waiting: float | None  # the router's count, when scraping a router
+    online_waiting: float | None  # the router's or the online-first server's count, when given
 
 
 _WANTED = {
@@ -72,10 +75,10 @@ def parse_page(text: str) -> MetricsPage:
         name = line[:name_end]
         if name in _WANTED:
             field = _WANTED[name]
-        elif name == ROUTER_ONLINE_WAITING or name == ROUTER_INFLIGHT:
+        elif name == ROUTER_ONLINE_WAITING or name == ROUTER_INFLIGHT or name == SERVER_ONLINE_WAITING:
             if 'class="online"' not in line:
                 continue
-            field = "router_online_waiting" if name == ROUTER_ONLINE_WAITING else "router_inflight"
+            field = "router_inflight" if name == ROUTER_INFLIGHT else "router_online_waiting"
         else:
             continue
         value = _value(line, name_end)

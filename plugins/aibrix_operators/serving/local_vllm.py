@@ -17,6 +17,8 @@ from pathlib import Path
 from aibrix_operators.serving.process import ServerProcess, healthy, stop_process_group
 from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as SCHEDULING_POLICY_MIDDLEWARE
 
+ONLINE_FIRST_MIDDLEWARE = "aibrix_operators.serving.online_first.OnlineFirst"
+
 __all__ = ["VLLMServer", "VLLMServerSpec", "free_port", "stop_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -41,6 +43,9 @@ class VLLMServerSpec:
     # "priority" for an endpoint shared with online traffic (docs/shared-capacity.md): requests'
     # vLLM priority then orders admission and preemption. Reported by the middleware below.
     scheduling_policy: str = "fcfs"
+    # Online first inside the server (serving/online_first.py): an online request takes a running
+    # batch request's sequence slot at once. For an endpoint shared with online traffic.
+    online_first: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     python: Path = DEFAULT_PYTHON
@@ -57,6 +62,8 @@ class VLLMServerSpec:
             # Says the policy in a header, so the driver can check it before shared mode.
             "--middleware", SCHEDULING_POLICY_MIDDLEWARE,
         ]
+        if self.online_first:
+            cmd += ["--middleware", ONLINE_FIRST_MIDDLEWARE]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.runner:

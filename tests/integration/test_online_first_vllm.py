@@ -1,0 +1,159 @@
+"""The online-first middleware inside a real vLLM CPU server (serving/online_first.py, issue 21).
+
+The server runs with ``--scheduling-policy priority``, two sequences at a time, and the
+middleware, as a shared endpoint's pods do. vLLM itself never takes a sequence slot back from a
+running request; the middleware does, for an online request, by telling vLLM the batch
+request's client has gone (vLLM then aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from aibrix_operators.capacity.mode import SharedCapacity
+from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.preflight import check_endpoint
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.storage import LocalStorage
+from tests.integration.conftest import SERVED_NAME
+
+MAX_NUM_SEQS = 2
+# Long enough that a generation not aborted would take many seconds (about 9 s per 1,000 tokens
+# on this 2-core VM).
+LONG_TOKENS = 3500
+
+
+@pytest.fixture(scope="module")
+def gated(tiny_model: Path) -> Iterator[VLLMServer]:
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, scheduling_policy="priority",
+                          online_first=True, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
+    with VLLMServer(spec) as server:
+        yield server
+
+
+def _completion(prompt: str, max_tokens: int, priority: int | None = None) -> dict:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+    return body if priority is None else {**body, "priority": priority}
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str | None, dict]:
+    async with session.post(url + "/v1/completions", json=body) as r:
+        return r.status, r.headers.get("x-aibrix-shed-reason"), await r.json()
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    wanted = ("aibrix_online_first_", "vllm:num_requests_running", "vllm:generation_tokens_total")
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            name, value = line.rsplit(" ", 1)
+            key = name if name.startswith("aibrix") else name.split("{", 1)[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+async def _until(session: aiohttp.ClientSession, url: str, check, timeout_s: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await _metrics(session, url)
+        if check(m) or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.05)
+
+
+async def test_an_online_request_takes_a_running_batch_requests_slot_and_vllm_aborts_it(
+    gated: VLLMServer,
+) -> None:
+    url = gated.base_url
+    shed = 'aibrix_online_first_shed_total{reason="%s"}'
+    async with aiohttp.ClientSession() as session:
+        before = await _metrics(session, url)
+        batch = [asyncio.create_task(_post(session, url, _completion(f"batch {i}", LONG_TOKENS, priority=10)))
+                 for i in range(4)]
+        # Two batch requests run (both slots), two wait at the server: as the server reports it.
+        waiting = 'aibrix_online_first_waiting_requests{class="batch"}'
+        held = await _until(session, url, lambda m: m.get(waiting) == 2
+                            and m.get("vllm:num_requests_running") == MAX_NUM_SEQS, 60)
+        assert held.get("vllm:num_requests_running") == MAX_NUM_SEQS, held
+        online = await asyncio.gather(*(_post(session, url, _completion(f"online {i}", 4)) for i in range(2)))
+        # vLLM aborted the two generations it was running: nothing runs a moment later, where
+        # a LONG_TOKENS generation left running would take seconds more.
+        after = await _until(session, url, lambda m: m.get("vllm:num_requests_running") == 0, 2.0)
+        batch_done = await asyncio.gather(*batch)
+    assert [status for status, _, _ in online] == [200, 200]
+    assert all(len(body["choices"][0]["text"]) > 0 for _, _, body in online)
+    assert after["vllm:num_requests_running"] == 0, after
+    # Ordering, not timing: the online requests were served while the batch generations had
+    # barely begun. Left to run, the two would have produced 2 x LONG_TOKENS tokens before any
+    # online one got a slot (the first version of the middleware did exactly that).
+    generated = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0)
+    assert generated < LONG_TOKENS, generated
+    # Every batch request was answered 429 batch_shed: the two running ones taken back for the
+    # two online ones, the two waiting ones shed because an online one had to wait.
+    assert sorted(reason for _, reason, _ in batch_done) == ["online_waiting", "online_waiting",
+                                                             "preempted", "preempted"]
+    assert {status for status, _, _ in batch_done} == {429}
+    assert {body["error"]["code"] for _, _, body in batch_done} == {"batch_shed"}
+    for reason in ("preempted", "online_waiting"):
+        assert after[shed % reason] - before.get(shed % reason, 0.0) == 2
+
+
+async def test_requests_without_a_batch_priority_are_all_served_in_order(gated: VLLMServer) -> None:
+    """A dedicated endpoint's traffic (no priority) is all online: queued beyond the slots, never shed."""
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(_post(session, gated.base_url, _completion(f"plain {i}", 8))
+                                         for i in range(5)))
+    assert [status for status, _, _ in answers] == [200] * 5
+
+
+async def test_shared_mode_through_an_online_burst_answers_every_batch_request_once(
+    gated: VLLMServer, tmp_path: Path
+) -> None:
+    n = 200
+    shard = tmp_path / "shard.jsonl"
+    lines = [{"custom_id": f"b{i:03d}", "method": "POST", "url": "/v1/completions",
+              "body": _completion(f"batch item {i}", 16)} for i in range(n)]
+    shard.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = DriverConfig(endpoint=gated.base_url, concurrency=8, deadline=time.time() + 600,
+                          api_key_env=None, capacity=SharedCapacity(target_inflight=MAX_NUM_SEQS, tick_s=0.1))
+    await check_endpoint(config, SERVED_NAME)  # both middlewares: the policy is still reported
+    preempted = 'aibrix_online_first_shed_total{reason="preempted"}'
+
+    async def burst() -> tuple[list[int], float, float]:
+        async with aiohttp.ClientSession() as session:
+            start = (await _metrics(session, gated.base_url)).get(preempted, 0.0)
+            # Batch requests are running when the burst starts (the shard has just begun).
+            await _until(session, gated.base_url, lambda m: m.get("vllm:num_requests_running", 0) > 0, 30)
+            statuses: list[int] = []
+            t0 = time.monotonic()
+
+            async def client(i: int) -> None:
+                while time.monotonic() - t0 < 5.0:
+                    status, _, _ = await _post(session, gated.base_url, _completion(f"online {i}", 16))
+                    statuses.append(status)
+
+            await asyncio.gather(*(client(i) for i in range(6)))
+            end = (await _metrics(session, gated.base_url)).get(preempted, 0.0)
+        return statuses, start, end
+
+    burst_task = asyncio.create_task(burst())
+    outcome = await run_shard(LocalStorage(), str(shard), str(tmp_path / "results"), config)
+    online_statuses, start, end = await burst_task
+    assert (outcome.completed, outcome.failed) == (n, 0)
+    results = [json.loads(line) for f in sorted((tmp_path / "results").rglob("*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in results) == [f"b{i:03d}" for i in range(n)]  # each once
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results)
+    assert online_statuses and set(online_statuses) == {200}
+    assert end > start, "the burst should have taken slots from running batch requests (server-reported)"
