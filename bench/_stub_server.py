@@ -2,7 +2,9 @@
 
 Every POST gets the same ``chat.completion`` JSON (with ``usage``) at once, so a
 client measured against it measures itself. No framework, no JSON parsing of
-requests: the server only frames requests by ``Content-Length``.
+requests: the server only frames requests by ``Content-Length``. With ``--metrics-page``,
+``GET /metrics`` answers that file (a page captured from a real vLLM server, for shared
+mode's controller); every other GET is a 404.
 
     python bench/_stub_server.py --port 0 --cpu 1     # prints "PORT <n>" when listening
     python bench/_stub_server.py --ceiling PORT       # a trivial raw client: the stub's ceiling
@@ -42,6 +44,12 @@ RESPONSE = (
     + BODY
 )
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+METRICS: list[bytes] = [NOT_FOUND]  # the GET /metrics answer; set by main()
+
+
+def metrics_response(page: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+            + str(len(page)).encode() + b"\r\n\r\n" + page)
 
 
 class StubProtocol(asyncio.Protocol):
@@ -67,7 +75,10 @@ class StubProtocol(asyncio.Protocol):
             total = end + 4 + length
             if len(buf) < total:
                 break
-            out.append(RESPONSE if head.startswith(b"POST") else NOT_FOUND)
+            if head.startswith(b"POST"):
+                out.append(RESPONSE)
+            else:
+                out.append(METRICS[0] if head.startswith(b"GET /metrics ") else NOT_FOUND)
             buf = buf[total:]
         self.buf = buf
         if out:
@@ -150,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--metrics-page", default=None, help="answer GET /metrics with this file")
     args = p.parse_args(argv)
     pin(args.cpu)
+    if args.metrics_page:
+        with open(args.metrics_page, "rb") as fh:
+            METRICS[0] = metrics_response(fh.read())
     if args.ceiling is not None:
         print(f"{ceiling(args.ceiling, args.requests, args.connections):.1f}")
         return 0

@@ -14,6 +14,16 @@ measured in the same run by a trivial raw-socket client on the driver's CPU.
     .venv/bin/python bench/driver_stub.py --compare-plugins ../base/plugins --repeat 5
     # the same comparison in instructions per request (callgrind; slow, immune to a busy machine):
     .venv/bin/python bench/driver_stub.py --compare-plugins ../base/plugins --instructions --requests 4000
+    # shared mode's cost against dedicated mode, this tree (issue 21: the controller < 5 %):
+    .venv/bin/python bench/driver_stub.py --shared-cost --requests 4000 --concurrency 64
+
+``--shared-cost`` counts instructions per request under callgrind in both modes, the stub
+answering ``GET /metrics`` with a page captured from a real vLLM 0.32 server
+(``bench/_vllm_metrics_page.txt``, idle: the limit sits at ``--concurrency``, so both modes
+keep as many requests in flight). Under callgrind the driver runs ~50x slower, so ticks at the
+real 0.5 s interval would be ~50x too many per request: the per-request path is counted with
+ticks off after the first, and one tick (the GET of that page through aiohttp, its parse, the
+decision) is timed on its own; at 2 ticks/s its share of a core adds to the per-request ratio.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import _stub_server  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / ".work" / "bench" / "driver"
 TARGET_RPS = 2000.0
+VLLM_METRICS_PAGE = Path(__file__).resolve().parent / "_vllm_metrics_page.txt"
+SHARED_TICK_S = 0.5  # SharedCapacity's default tick
 
 
 def write_shard(path: Path, requests: int, seed: int = 0) -> Path:
@@ -70,10 +82,12 @@ def write_shard(path: Path, requests: int, seed: int = 0) -> Path:
 class StubProcess:
     """The stub server in a child process pinned to ``cpu``."""
 
-    def __init__(self, cpu: int | None) -> None:
+    def __init__(self, cpu: int | None, metrics_page: Path | None = None) -> None:
         cmd = [sys.executable, _stub_server.__file__, "--port", "0"]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
+        if metrics_page is not None:
+            cmd += ["--metrics-page", str(metrics_page)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("PORT "):
@@ -98,19 +112,26 @@ class StubProcess:
 
 
 def run_driver(
-    shard: Path, results: Path, port: int, concurrency: int, total: int, loop: str = "asyncio"
+    shard: Path, results: Path, port: int, concurrency: int, total: int, loop: str = "asyncio",
+    shared_tick_s: float | None = None,
 ) -> dict:
-    """One run_shard over the whole shard from scratch; requests/s and the outcome."""
+    """One run_shard over the whole shard from scratch; requests/s and the outcome. With
+    ``shared_tick_s``, in shared mode (its controller ticking at that interval)."""
+    from aibrix_operators.capacity.mode import SharedCapacity
     from aibrix_operators.driver.config import DriverConfig
     from aibrix_operators.driver.runner import run_shard
     from aibrix_operators.storage import LocalStorage
 
     shutil.rmtree(results, ignore_errors=True)
+    capacity = None
+    if shared_tick_s is not None:
+        capacity = SharedCapacity(target_inflight=concurrency, tick_s=shared_tick_s)
     config = DriverConfig(
         endpoint=f"http://127.0.0.1:{port}",
         concurrency=concurrency,
         api_key_env=None,
         progress_interval_s=3600,
+        capacity=capacity,
     )
     t0, c0 = time.perf_counter(), time.process_time()
     coro = run_shard(LocalStorage(), str(shard), str(results), config, total=total)
@@ -134,7 +155,7 @@ def pin(cpu: int | None) -> None:
 
 def run_driver_in_child(
     plugins: Path, shard: Path, results: Path, port: int, concurrency: int, total: int, cpu: int | None,
-    callgrind_out: Path | None = None,
+    callgrind_out: Path | None = None, shared_tick_s: float | None = None,
 ) -> dict:
     """``run_driver`` in a fresh process importing ``aibrix_operators`` from ``plugins``
     (under callgrind, counting instructions, when ``callgrind_out`` is given)."""
@@ -143,6 +164,8 @@ def run_driver_in_child(
            "--requests", str(total)]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
+    if shared_tick_s is not None:
+        cmd += ["--shared-tick-s", str(shared_tick_s)]
     if callgrind_out is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind_out}", *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -188,10 +211,66 @@ def instructions_main(args: argparse.Namespace, levels: list[int]) -> int:
     return 0
 
 
+def tick_cost_us(port: int, ticks: int = 300) -> float:
+    """CPU microseconds of one controller tick: the GET of the stub's /metrics page through
+    aiohttp, its parse and the decision, as the controller's loop runs them."""
+    import aiohttp
+
+    from aibrix_operators.capacity.controller import EndpointController
+    from aibrix_operators.capacity.mode import SharedCapacity
+
+    async def run() -> float:
+        ctl = EndpointController(f"http://127.0.0.1:{port}", SharedCapacity(), 64)
+        async with aiohttp.ClientSession() as session:
+            assert await ctl._scrape(session) is not None, "the stub's /metrics page was not understood"
+            c0 = time.process_time()
+            for _ in range(ticks):
+                ctl.tick(await ctl._scrape(session))
+            return (time.process_time() - c0) / ticks * 1e6
+
+    return asyncio.run(run())
+
+
+def shared_cost_main(args: argparse.Namespace, levels: list[int]) -> int:
+    """Shared mode against dedicated mode in this tree: instructions per request (callgrind,
+    large minus small run) plus one tick's CPU at the default tick interval."""
+    ours = REPO / "plugins"
+    small, large = max(args.requests // 4, 500), args.requests
+    shards = {n: write_shard(args.workdir / f"shard-{n}.jsonl", n) for n in (small, large)}
+    print(f"\nshared vs dedicated mode, this tree; instructions per request (callgrind), runs of "
+          f"{large:,} minus {small:,} requests; /metrics: {VLLM_METRICS_PAGE.name}\n")
+    print(f"{'concurrency':>11}{'dedicated':>14}{'shared':>14}{'shared/dedicated':>18}")
+    worst = 0.0
+    with StubProcess(None, VLLM_METRICS_PAGE) as stub:
+        for c in levels:
+            per: dict[str, float] = {}
+            for mode, tick in (("dedicated", None), ("shared", 3600.0)):
+                counts = {}
+                for n, shard in shards.items():
+                    out = args.workdir / f"callgrind-{mode}-{c}-{n}.out"
+                    counts[n] = run_driver_in_child(ours, shard, args.workdir / "results", stub.port, c, n,
+                                                    None, out, shared_tick_s=tick)["instructions"]
+                per[mode] = (counts[large] - counts[small]) / (large - small)
+            ratio = per["shared"] / per["dedicated"]
+            worst = max(worst, ratio)
+            print(f"{c:>11}{per['dedicated']:>14,.0f}{per['shared']:>14,.0f}{ratio:>17.3f}x")
+        tick_us = tick_cost_us(stub.port)
+    shutil.rmtree(args.workdir / "results", ignore_errors=True)
+    tick_share = tick_us / (SHARED_TICK_S * 1e6)
+    total = worst - 1 + tick_share
+    print(f"\none tick: {tick_us:,.0f} CPU us ({VLLM_METRICS_PAGE.stat().st_size:,}-byte page); at one tick "
+          f"per {SHARED_TICK_S:g} s: {tick_share:.2%} of a core")
+    print(f"shared mode's cost: {worst - 1:+.2%} per request + {tick_share:.2%} for ticks = {total:+.2%} "
+          f"(target < 5 %) -> {'PASS' if total < 0.05 else 'MISS'}")
+    return 0 if total < 0.05 else 1
+
+
 def worker_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.plugins).resolve()))
     pin(args.cpu)
-    r = run_driver(Path(args.shard), Path(args.results), args.port, int(args.concurrency), args.requests)
+    tick = None if args.shared_tick_s is None else float(args.shared_tick_s)
+    r = run_driver(Path(args.shard), Path(args.results), args.port, int(args.concurrency), args.requests,
+                   shared_tick_s=tick)
     print(json.dumps(r))
     return 0
 
@@ -254,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instructions", action="store_true",
                    help="with --compare-plugins: count instructions per request under callgrind "
                         "instead of timing (slow, but the same on a busy machine)")
+    p.add_argument("--shared-cost", action="store_true",
+                   help="shared mode's cost against dedicated mode in this tree (callgrind)")
     # internal: one driver run in a child process (used by --compare-plugins)
-    for hidden in ("--plugins", "--shard", "--results", "--port", "--cpu"):
+    for hidden in ("--plugins", "--shard", "--results", "--port", "--cpu", "--shared-tick-s"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -270,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pin and len(cpus) >= 2:
         driver_cpu, stub_cpu = cpus[0], cpus[1]
     logging.basicConfig(level=logging.WARNING)
+    if args.shared_cost:
+        return shared_cost_main(args, levels)
     if args.compare_plugins and args.instructions:
         return instructions_main(args, levels)
     if args.compare_plugins:

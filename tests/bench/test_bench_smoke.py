@@ -88,6 +88,17 @@ def test_stub_answers_keep_alive_and_pipelined_requests() -> None:
         assert stub_mod.ceiling(stub.port, requests=200, connections=4) > 0
 
 
+def test_stub_serves_a_vllm_metrics_page_that_shared_mode_reads(tmp_path: Path) -> None:
+    """--shared-cost's parts without callgrind: the page is understood by the controller (a
+    tick that reads nothing would measure the no-signal fallback), and a shared-mode run ends."""
+    ds = _load("driver_stub")
+    with ds.StubProcess(cpu=None, metrics_page=ds.VLLM_METRICS_PAGE) as stub:
+        assert ds.tick_cost_us(stub.port, ticks=5) > 0  # asserts the scrape was understood
+        shard = ds.write_shard(tmp_path / "shard.jsonl", 200)
+        r = ds.run_driver(shard, tmp_path / "results", stub.port, 8, 200, shared_tick_s=0.5)
+    assert r["retries"] == 0
+
+
 def test_kvcache_prefix_pairs_samples_and_pools_runs() -> None:
     kp = _load("kvcache_prefix")
     # Pipelined is 10% faster than sync in every pair, while the machine drifts 2x
