@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from aibrix_operators.serving.process import ServerProcess, tail
+from aibrix_operators.serving.process import VLLM_STARTUP_TIMEOUT_S, ServerProcess, tail
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ class LocalServer:
     def proc(self) -> subprocess.Popen | None:
         return self.process.proc if self.process is not None else None
 
-    def start(self, timeout_s: float = 240.0) -> LocalServer:
+    def start(self, timeout_s: float = VLLM_STARTUP_TIMEOUT_S) -> LocalServer:
         # The launcher shared with aibrix_operators.serving: own process group, health wait,
         # and a stop that takes the engine child even when the API server already exited.
         self.process = ServerProcess(self.cmd, self.env, self.log_path, name="vLLM", append_log=False)

@@ -14,7 +14,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aibrix_operators.serving.process import ServerProcess, healthy, stop_process_group
+from aibrix_operators.serving.process import (
+    VLLM_STARTUP_TIMEOUT_S,
+    ServerProcess,
+    healthy,
+    stop_process_group,
+)
 from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as SCHEDULING_POLICY_MIDDLEWARE
 
 ONLINE_FIRST_MIDDLEWARE = "aibrix_operators.serving.online_first.OnlineFirst"
@@ -88,7 +93,7 @@ class VLLMServer:
     def proc(self) -> subprocess.Popen[bytes] | None:
         return self.process.proc if self.process is not None else None
 
-    def start(self, timeout_s: float = 240.0) -> VLLMServer:
+    def start(self, timeout_s: float = VLLM_STARTUP_TIMEOUT_S) -> VLLMServer:
         spec = self.spec
         if not spec.python.exists():
             raise FileNotFoundError(
@@ -115,7 +120,7 @@ class VLLMServer:
         if self.process is not None:
             self.process.stop(grace_s)
 
-    def start_in_background(self, timeout_s: float = 240.0) -> threading.Thread:
+    def start_in_background(self, timeout_s: float = VLLM_STARTUP_TIMEOUT_S) -> threading.Thread:
         """Start without blocking (e.g. while a DAG validates and splits); ``join`` the thread,
         then check ``startup_error``."""
         self.startup_error: BaseException | None = None

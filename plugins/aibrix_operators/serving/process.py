@@ -18,6 +18,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+# How long a vLLM server may take to answer /health before it is stopped as hung. A server that
+# dies is noticed at once (wait_healthy polls the process), so this bounds only a hang. A quiet
+# 2-core machine starts the tiny model in ~75 s; beside a busy Airflow stack and other servers
+# starts took over 240 s (the old bound) in clean-clone runs of make test (2026-12-03: the
+# engine core's own init began 150 s after the API server's first line).
+VLLM_STARTUP_TIMEOUT_S = 600.0
+
 
 def _group_alive(pgid: int) -> bool:
     try:
