@@ -95,7 +95,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(preset: str, device_name: str, steps: int) -> dict[str, float]:
+def run(preset: str, device_name: str, steps: int, l1_checksum: str = "full") -> dict[str, float]:
     s = PRESETS[preset]
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -142,7 +142,7 @@ def run(preset: str, device_name: str, steps: int) -> dict[str, float]:
     for mode in ("sync", "pipelined"):
         settings = KVCacheSettings.from_extra(
             {"mode": mode, "l1_capacity_bytes": 4 * kv_bytes + (1 << 20),
-             "chunk_tokens": chunk_blocks * s.block, "io_threads": 2}
+             "chunk_tokens": chunk_blocks * s.block, "io_threads": 2, "l1_checksum": l1_checksum}
         )  # fmt: skip
         worker = KVCacheWorker(settings, "gpubench", 0, None)
         worker.register_kv_caches(kv, num_blocks, s.block)
@@ -171,6 +171,18 @@ def run(preset: str, device_name: str, steps: int) -> dict[str, float]:
         sync(device)
         for t in kv.values():  # what was loaded is exactly what was saved
             assert torch.equal(t[:, load_blocks], t[:, save_blocks]), "loaded KV differs from saved KV"
+        if l1_checksum != "off":  # a damaged L1 slot is a failed load (recomputed), never used
+            chunk = worker.cache.pin(worker.chunk_key("c1"))
+            assert chunk is not None, "chunk c1 is not in L1"
+            worker.engine.slab.view(chunk.slot, len(names) // 2).zero_()
+            worker.engine.slab.unref(chunk.slot)
+            worker.start_load(load_meta)
+            for i, n in enumerate(names):
+                worker.wait_for_layer(n)
+                model.layer(i, kv[n], load_idx, False)
+            sync(device)
+            failed = worker.take_load_errors()
+            assert failed, f"{mode}: a zeroed L1 slot was loaded without a failure"
         worker.shutdown()
     for op in ("save", "load"):
         c, sy, pi = (results[f"{op}_{m}_s"] for m in ("compute", "sync", "pipelined"))
@@ -187,17 +199,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--preset", choices=sorted(PRESETS), default=None, help="default: 8b on cuda, small on cpu"
     )
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--l1-checksum", choices=("full", "sampled", "off"), default="full",
+        help="the connector's L1 check value (default full, as deployed): sampled/off show the hash's share",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
     preset = args.preset or ("8b" if args.device.startswith("cuda") else "small")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    r = run(preset, args.device, args.steps)
+    r = run(preset, args.device, args.steps, args.l1_checksum)
     if args.json:
-        print(json.dumps({"device": name, "preset": preset, **r}))
+        print(json.dumps({"device": name, "preset": preset, "l1_checksum": args.l1_checksum, **r}))
         return r
     print(
         f"device {name}, preset {preset}, torch {torch.__version__}, "
-        f"KV per step {r['kv_mib_per_step']:.0f} MiB"
+        f"KV per step {r['kv_mib_per_step']:.0f} MiB, L1 check {args.l1_checksum}"
     )
     for op in ("save", "load"):
         print(

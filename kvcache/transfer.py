@@ -114,19 +114,25 @@ class CudaCopier(HostCopier):
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def device_ids(self, block_ids: list[int], save: bool) -> torch.Tensor:
+        """Block ids on the device, uploaded on the save (or load) stream: a step's ids are
+        the same for every layer, so a job uploads them once, not once per layer."""
+        with torch.cuda.stream(self.save_stream if save else self.load_stream):
+            return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
     def gather_async(
         self,
         kv: torch.Tensor,
         layout: PagedLayout,
-        block_ids: list[int],
+        block_ids: list[int] | torch.Tensor,
         ready: torch.cuda.Event,
         host: torch.Tensor,
     ) -> torch.cuda.Event:
         """Copy blocks into ``host`` (pinned slab rows) once ``ready`` (this layer's compute)
-        has happened."""
+        has happened. ``block_ids``: a list, or ``device_ids(..., save=True)``."""
         with torch.cuda.stream(self.save_stream):
             self.save_stream.wait_event(ready)
-            ids = torch.tensor(block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
+            ids = block_ids if isinstance(block_ids, torch.Tensor) else self.device_ids(block_ids, save=True)
             dev = kv.index_select(layout.block_dim, ids)
             if layout.block_dim:
                 dev = dev.movedim(layout.block_dim, 0)
@@ -139,17 +145,19 @@ class CudaCopier(HostCopier):
         self,
         kv: torch.Tensor,
         layout: PagedLayout,
-        block_ids: list[int],
+        block_ids: list[int] | torch.Tensor,
         src: torch.Tensor,
         ready: torch.cuda.Event | None,
     ) -> torch.cuda.Event:
+        """Copy host rows ``src`` into blocks of ``kv`` after ``ready``. ``block_ids``: a
+        list, or ``device_ids(..., save=False)``."""
         with torch.cuda.stream(self.load_stream):
             if ready is not None:
                 # Blocks may have been freed and reused: write only after earlier work on them.
                 self.load_stream.wait_event(ready)
             if not src.is_pinned():
                 src = src.pin_memory()
-            ids = torch.tensor(block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
+            ids = block_ids if isinstance(block_ids, torch.Tensor) else self.device_ids(block_ids, save=False)
             dev = src.to(kv.device, non_blocking=True)
             if layout.block_dim:
                 dev = dev.movedim(0, layout.block_dim)

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,6 +53,17 @@ def expected_nbytes(expected: codec.Expected) -> int:
     for s in expected.shape:
         n *= s
     return n * torch.empty((), dtype=expected.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Whole chunks in consecutive L1 slots of one slab segment: one layer of them is one
+    contiguous run of host rows, so a CUDA copy moves them all at once (a copy per chunk and
+    layer costs a few kernel launches each, which dominated a GPU step's transfers)."""
+
+    first_slot: int
+    chunks: tuple[int, ...]  # indices into the job's items, in slot order
+    block_ids: tuple[int, ...]  # the paged blocks, in host-row order
 
 
 class TransferEngine:
@@ -253,14 +265,44 @@ class TransferEngine:
         assert self.layout is not None and self.copier is not None
         self.copier.gather_rows(self.kv[layer], self.layout, moves)
 
-    def scatter_async(self, layer: int, block_ids: list[int], src: torch.Tensor, ready: object) -> object:
+    def slot_runs(self, slotted: list[tuple[int, int, ChunkTransfer]]) -> tuple[list[SlotRun], list[int]]:
+        """Group ``(chunk index, slot, item)`` into runs of whole chunks in consecutive slots
+        of one segment; the indices of chunks that are not whole (each copied alone)."""
+        assert self.slab is not None
+        whole = list(range(self.chunk_blocks))
+        runs: list[list[tuple[int, int, ChunkTransfer]]] = []
+        singles: list[int] = []
+        for idx, slot, item in sorted(slotted, key=lambda c: c[1]):
+            if [row for row, _ in item.blocks] != whole:
+                singles.append(idx)
+                continue
+            prev = runs[-1][-1][1] if runs else -2
+            if slot == prev + 1 and self.slab.segment_of(slot) == self.slab.segment_of(prev):
+                runs[-1].append((idx, slot, item))
+            else:
+                runs.append([(idx, slot, item)])
+        out = [
+            SlotRun(run[0][1], tuple(i for i, _, _ in run), tuple(b for *_, it in run for _, b in it.blocks))
+            for run in runs
+        ]
+        return out, singles
+
+    def device_ids(self, block_ids: tuple[int, ...] | list[int], save: bool) -> torch.Tensor:
+        """CUDA: block ids uploaded once on the save (or load) stream, for every layer's copy."""
+        return self.copier.device_ids(list(block_ids), save)  # type: ignore[union-attr]
+
+    def scatter_async(
+        self, layer: int, block_ids: list[int] | torch.Tensor, src: torch.Tensor, ready: object
+    ) -> object:
         """CUDA: copy host rows into blocks of one layer on the load stream; its event."""
         assert self.layout is not None
         return self.copier.scatter_async(  # type: ignore[union-attr]
             self.kv[layer], self.layout, block_ids, src, ready
         )
 
-    def gather_async(self, layer: int, block_ids: list[int], ready: object, dst: torch.Tensor) -> object:
+    def gather_async(
+        self, layer: int, block_ids: list[int] | torch.Tensor, ready: object, dst: torch.Tensor
+    ) -> object:
         """CUDA: copy blocks of one layer into host rows on the save stream; its event."""
         assert self.layout is not None
         return self.copier.gather_async(  # type: ignore[union-attr]

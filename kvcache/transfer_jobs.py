@@ -29,7 +29,7 @@ import torch
 from kvcache.host_copy import ChunkCopy
 from kvcache.metadata import ChunkTransfer
 from kvcache.transfer import Move
-from kvcache.transfer_engine import LoadFailed, TransferEngine, log_once
+from kvcache.transfer_engine import LoadFailed, SlotRun, TransferEngine, log_once
 
 
 @dataclass
@@ -78,6 +78,7 @@ class LoadJob:
         # CPU full check: (chunk, layer, copy out of its L1 slot), checked once copied.
         self.host_copies: list[tuple[int, int, ChunkCopy]] = []
         self._lock = threading.Lock()
+        self._run_ids: dict[tuple[int, ...], torch.Tensor] = {}  # CUDA: device block ids per run
         # Compute-thread time spent on this step's loads (start_load_kv, the per-layer
         # waits, and completing at the barrier): what loading costs the forward.
         self.blocked_s = 0.0
@@ -212,6 +213,7 @@ class LoadJob:
         replaced = self.check_l1(layer, sums_later=per_chunk)
         moves: list[Move] = []
         last_event = None
+        slotted: list[tuple[int, int, ChunkTransfer]] = []  # CUDA: copied by runs of slots
         for idx, item in enumerate(self.items):
             if self.failed[idx]:
                 continue
@@ -220,6 +222,9 @@ class LoadJob:
                 self.host_copies.append((idx, layer, e.chunk_copy(chunk.slot, layer, item, into_kv=True)))
                 continue
             slot = chunk.slot if chunk is not None else self.promo_slots[idx]
+            if e.cuda and slot is not None and idx not in replaced:
+                slotted.append((idx, slot, item))
+                continue
             if idx in replaced:
                 base, row0 = replaced[idx], 0
             elif slot is not None:
@@ -238,6 +243,32 @@ class LoadJob:
                 moves.extend((base, row0 + i, b) for i, b in item.blocks)
         if moves:
             e.scatter_rows(layer, moves)
+        if slotted:
+            last_event = self.scatter_slot_runs(layer, slotted) or last_event
+        return last_event
+
+    def scatter_slot_runs(self, layer: int, slotted: list[tuple[int, int, ChunkTransfer]]) -> object:
+        """CUDA: copy one layer of chunks held in L1 slots, one copy per run of consecutive
+        slots (their device block ids uploaded once per job); the last copy's event."""
+        e = self.engine
+        assert e.slab is not None
+        runs, singles = e.slot_runs(slotted)
+        last_event = None
+        for run in runs:
+            ids = self._run_ids.get(run.chunks)
+            if ids is None:  # two load threads may both upload it: same ids, no harm
+                ids = self._run_ids[run.chunks] = e.device_ids(run.block_ids, save=False)
+            base, row0 = e.slab.rows(run.first_slot, layer)
+            src = base.narrow(0, row0, len(run.block_ids))
+            last_event = e.scatter_async(layer, ids, src, self.compute_ready)
+        slots = {idx: slot for idx, slot, _ in slotted}
+        for idx in singles:
+            item = self.items[idx]
+            base, row0 = e.slab.rows(slots[idx], layer)
+            rows = [row0 + i for i, _ in item.blocks]
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            src = base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
+            last_event = e.scatter_async(layer, [b for _, b in item.blocks], src, self.compute_ready)
         return last_event
 
     def load_layer_cuda(self, layer: int) -> object:
@@ -276,6 +307,8 @@ class StoreJob:
         self.blocked_s = 0.0  # compute-thread time in save_kv_layer calls
         # CPU full check: (chunk, layer, copy into its slot), run for all layers at once.
         self.host_copies: list[tuple[int, int, ChunkCopy]] = []
+        # CUDA: runs of slots with their block ids on the device, and chunks copied alone.
+        self._cuda_plan: tuple[list[tuple[SlotRun, torch.Tensor]], list[int]] | None = None
 
     def submit_layer(self, layer: int) -> None:
         """Queue ``layer``'s copy-out on the save thread, after the compute issued so far."""
@@ -324,9 +357,18 @@ class StoreJob:
         e = self.engine
         assert e.slab is not None
         if e.cuda:
-            for idx, item in enumerate(self.items):
-                if not self.copied[idx]:
-                    continue
+            if self._cuda_plan is None:  # the same for every layer: made (and uploaded) once
+                slotted = [(i, s, self.items[i]) for i, s in enumerate(self.slots) if s is not None]
+                runs, singles = e.slot_runs(slotted)
+                singles += [i for i, s in enumerate(self.slots) if s is None and self.copied[i]]
+                self._cuda_plan = ([(run, e.device_ids(run.block_ids, save=True)) for run in runs], singles)
+            runs, singles = self._cuda_plan
+            for run, ids in runs:
+                base, row0 = e.slab.rows(run.first_slot, layer)
+                dst = base.narrow(0, row0, len(run.block_ids))
+                self.events[layer] = e.gather_async(layer, ids, ready, dst)
+            for idx in singles:
+                item = self.items[idx]
                 dst = self.target(idx, layer).narrow(0, 0, len(item.blocks))
                 self.events[layer] = e.gather_async(layer, [b for _, b in item.blocks], ready, dst)
             return

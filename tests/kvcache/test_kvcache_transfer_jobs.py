@@ -122,3 +122,31 @@ def test_a_load_job_from_l2_stages_in_its_slot_and_fails_a_bad_or_missing_record
     assert job.failed == [True, True] and job.reasons == ["absent", "integrity"]
     consumer.shutdown()
     producer.shutdown()
+
+
+def test_slot_runs_group_whole_chunks_in_consecutive_slots_of_one_segment() -> None:
+    """CUDA copies move one run of slots per layer at once (bench/gpu_kvcache.py measures
+    why): a run holds only whole chunks, in consecutive slots of one slab segment, and its
+    block ids follow the slots' host rows."""
+    engine, _ = _engine()
+    assert engine.slab is not None
+    engine.slab.slots_per_segment = 4  # segment boundary between slots 3 and 4
+
+    def whole(h: str, b0: int) -> ChunkTransfer:
+        return ChunkTransfer(h, [(0, b0), (1, b0 + 1)])
+
+    slotted = [
+        (0, 2, whole("a", 10)),  # listed out of slot order
+        (1, 1, whole("b", 0)),
+        (2, 5, ChunkTransfer("partial", [(0, 6)])),  # not a whole chunk: copied alone
+        (3, 3, whole("c", 4)),
+        (4, 4, whole("d", 12)),  # consecutive with slot 3 but in the next segment
+        (5, 7, whole("e", 8)),  # slot 6 is free: a new run
+    ]
+    runs, singles = engine.slot_runs(slotted)
+    assert singles == [2]
+    assert [(r.first_slot, r.chunks, r.block_ids) for r in runs] == [
+        (1, (1, 0, 3), (0, 1, 10, 11, 4, 5)),
+        (4, (4,), (12, 13)),
+        (7, (5,), (8, 9)),
+    ]
