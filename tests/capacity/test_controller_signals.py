@@ -182,3 +182,26 @@ async def test_a_burst_that_fills_the_endpoint_takes_batch_requests_back_and_the
                for line in f.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(40))  # each once
     assert outcome.outages == 0  # withdrawn attempts are not endpoint failures
+
+
+async def test_a_shard_cancelled_while_its_attempts_are_withdrawn_still_ends(
+    server: LoadedServer, tmp_path: Path
+) -> None:
+    """A withdrawal cancels the sender's own task and takes back only its own cancel: a cancel
+    from whoever runs the shard, arriving with it, still ends the shard."""
+    shard = tmp_path / "shard.jsonl"
+    shard.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                         "body": {"model": "m", "prompt": "p"}}) + "\n" for i in range(20)))
+    server.delay_s = 5.0
+    config = DriverConfig(endpoint=server.url, concurrency=4, deadline=time.time() + 120, api_key_env=None,
+                          capacity=SharedCapacity(target_inflight=4, batch_queue=0, tick_s=3600))
+    run = asyncio.create_task(run_shard(LocalStorage(), str(shard), str(tmp_path / "results"), config))
+    await _until(lambda: server.in_flight == 4)
+    (controller,) = shared_capacity.REGISTRY.live()
+    run.cancel()
+    await asyncio.sleep(0)  # the shard's task group has cancelled its senders; they have not run yet
+    assert controller.limiter.preempt(4) == 4  # so each sender meets both cancels at once
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(run), 3)
+    assert time.monotonic() - t0 < 3 and run.cancelled()

@@ -91,3 +91,22 @@ def test_preempt_takes_attempts_back_and_says_which() -> None:
         attempts[taken.index(False)].cancel()
 
     asyncio.run(scenario())
+
+
+def test_preempt_takes_each_attempt_once() -> None:
+    """An attempt is the sender's own task: a second cancel of it would read as somebody
+    else's (a shutdown) and end the sender instead of sending the request again."""
+
+    async def scenario() -> None:
+        limiter = AdaptiveLimiter(4)
+        attempts = [asyncio.ensure_future(asyncio.sleep(10)) for _ in range(2)]
+        for a in attempts:
+            assert limiter.try_acquire()
+            limiter.track(a)
+        assert limiter.preempt(1) == 1
+        assert limiter.preempt(2) == 1  # only the one not taken yet
+        await asyncio.sleep(0)
+        assert [a.cancelling() for a in attempts] == [1, 1]  # one cancel each, not two
+        assert limiter.preemptions == 2 and all(limiter.untrack(a) for a in attempts)
+
+    asyncio.run(scenario())

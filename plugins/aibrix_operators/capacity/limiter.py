@@ -80,7 +80,9 @@ class AdaptiveLimiter:
         for attempt in list(self._attempts):
             if taken >= count:
                 break
-            if not attempt.done():
+            # Once each: an attempt is the sender's own task, and a second cancel would read as
+            # somebody else's (a shutdown), not as this withdrawal.
+            if not attempt.done() and attempt not in self._preempted:
                 self._preempted.add(attempt)
                 attempt.cancel()
                 taken += 1

@@ -463,20 +463,27 @@ class _Sender:
     async def _shared_attempt(
         self, custom_id: str, url: str, payload: bytes
     ) -> dict[str, Any] | _Failure | None:
-        """One attempt holding a permit, as a task the controller can take back (``None``)."""
+        """One attempt holding a permit, which the controller can take back (``None``).
+
+        The attempt runs in this worker's own task, which the limiter tracks and may cancel;
+        a cancel that was the limiter's alone is taken back (``uncancel``) and the request is
+        sent again. (A task per attempt would be simpler to withdraw, and it was: creating and
+        awaiting it was most of shared mode's extra CPU per request, bench/RESULTS.md.)"""
         assert self.limiter is not None
         limiter = self.limiter
-        attempt = asyncio.ensure_future(self._post(custom_id, url, payload))
-        limiter.track(attempt)
+        task = asyncio.current_task()
+        assert task is not None
+        limiter.track(task)
         try:
-            return await attempt
+            return await self._post(custom_id, url, payload)
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if attempt.cancelled() and limiter.untrack(attempt) and not (current and current.cancelling()):
+            # Withdrawn, and nobody else (a shutdown, a cancelled shard) asked to cancel too.
+            if limiter.untrack(task) and task.cancelling() == 1:
+                task.uncancel()
                 return None
             raise
         finally:
-            limiter.untrack(attempt)
+            limiter.untrack(task)
             limiter.release()
 
     async def _post(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | _Failure:
