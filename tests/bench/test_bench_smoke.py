@@ -156,3 +156,24 @@ def test_driver_container_start_bench_runs_both_modes() -> None:
     lines = proc.stdout.splitlines()
     assert {line.split()[0] for line in lines[-3:-1]} == {"container", "process"}, lines
     assert lines[-1].startswith("container / process (medians): ")
+
+
+def test_dag_at_scale_profiles_a_shard_and_reads_its_own_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    das = _load("dag_at_scale")
+    args = SimpleNamespace(per_shard=500, concurrency=8, workdir=tmp_path)
+    assert das.profile_shard(args) == 0
+    out = capsys.readouterr().out
+    assert "500 completed, 0 failed" in out and "aiohttp (client" in out
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "output.jsonl").write_text('{"custom_id":"r0"}\n{"custom_id":"r1"}\n{"custom_id":"r1"}\n')
+    assert das.count_output(tmp_path / "o", 3) == "2 answered, 1 twice, 1 missing"
+    log = tmp_path / "dag.log"
+    log.write_text(
+        "2026-12-04T10:00:00.000000Z [info] [DAG TEST] starting task_id=dispatch map_index=0 [x]\n"
+        "2026-12-04T10:00:02.500000Z [info] [DAG TEST] end task task_id=dispatch map_index=0 [x]\n"
+        "2026-12-04T10:00:02.500000Z [info] [DAG TEST] starting task_id=dispatch map_index=1 [x]\n"
+        "2026-12-04T10:00:03.000000Z [info] [DAG TEST] end task task_id=dispatch map_index=1 [x]\n"
+    )
+    assert das.task_seconds(log) == {"dispatch": pytest.approx(3.0)}

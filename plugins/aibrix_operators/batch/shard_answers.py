@@ -47,11 +47,15 @@ class MergeSummary:
         }
 
 
-def _shard_results(
-    storage: Storage, segments: list[str]
-) -> tuple[dict[str, tuple[bytes, dict[str, Any]]], int]:
+# What the walk keeps of one answer: its line, and its usage (a success) or its error code. Not
+# the parsed record: a shard's parsed answers (choices, logprobs, ...) were the merge task's
+# peak memory, several times the lines themselves.
+_Answer = tuple[bytes, Any, str | None]
+
+
+def _shard_results(storage: Storage, segments: list[str]) -> tuple[dict[str, _Answer], int]:
     """The first answer per ``custom_id`` in segment order, and how many repeats were dropped."""
-    results: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    results: dict[str, _Answer] = {}
     repeats = 0
     for uri in segments:
         for line in storage.read_bytes(uri).splitlines():
@@ -62,7 +66,12 @@ def _shard_results(
             if cid in results:
                 repeats += 1
                 continue
-            results[cid] = (line, record)
+            error = record.get("error")
+            if error is None:
+                body = record["response"]["body"]
+                results[cid] = (line, body.get("usage") if isinstance(body, dict) else None, None)
+            else:
+                results[cid] = (line, None, str(error.get("code")))
     return results, repeats
 
 
@@ -89,15 +98,14 @@ def shard_answers(
             if found is None:
                 missing.append(cid)
                 continue
-            line, record = found
+            line, usage, code = found
             summary.total += 1
-            if record.get("error") is None:
+            if code is None:
                 summary.completed += 1
-                summary.usage.add_response_body(record["response"]["body"])
+                summary.usage.add_response_body({"usage": usage})
                 yield position, line, False
             else:
                 summary.failed += 1
-                code = str(record["error"].get("code"))
                 summary.error_codes[code] = summary.error_codes.get(code, 0) + 1
                 yield position, line, True
     if missing:

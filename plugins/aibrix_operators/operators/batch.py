@@ -40,6 +40,7 @@ from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.operators.batch_metrics import batch_published
+from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.trust import load_policy, resolve_inference
@@ -165,6 +166,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             prefix_grouping=str(self.prefix_grouping or "auto"),
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
         )
+        release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
             record: FailureRecord = report.record
             context["ti"].xcom_push(key=FAILURE_RECORD_KEY, value=record.describe())
