@@ -76,13 +76,19 @@ def test_limit_zero_holds_everyone_and_a_raise_releases_them() -> None:
     asyncio.run(scenario())
 
 
+def _tracked_attempts(limiter: AdaptiveLimiter, n: int) -> list[asyncio.Task[None]]:
+    """``n`` attempts in flight, each holding a permit and tracked (a running loop needed)."""
+    attempts = [asyncio.ensure_future(asyncio.sleep(10)) for _ in range(n)]
+    for a in attempts:
+        assert limiter.try_acquire()
+        limiter.track(a)
+    return attempts
+
+
 def test_preempt_takes_attempts_back_and_says_which() -> None:
     async def scenario() -> None:
         limiter = AdaptiveLimiter(4)
-        attempts = [asyncio.ensure_future(asyncio.sleep(10)) for _ in range(3)]
-        for a in attempts:
-            assert limiter.try_acquire()
-            limiter.track(a)
+        attempts = _tracked_attempts(limiter, 3)
         assert limiter.preempt(2) == 2
         await asyncio.sleep(0)
         taken = [limiter.untrack(a) for a in attempts]
@@ -99,10 +105,7 @@ def test_preempt_takes_each_attempt_once() -> None:
 
     async def scenario() -> None:
         limiter = AdaptiveLimiter(4)
-        attempts = [asyncio.ensure_future(asyncio.sleep(10)) for _ in range(2)]
-        for a in attempts:
-            assert limiter.try_acquire()
-            limiter.track(a)
+        attempts = _tracked_attempts(limiter, 2)
         assert limiter.preempt(1) == 1
         assert limiter.preempt(2) == 1  # only the one not taken yet
         await asyncio.sleep(0)
