@@ -167,7 +167,8 @@ def test_dag_at_scale_profiles_a_shard_and_reads_its_own_outputs(
     out = capsys.readouterr().out
     assert "500 completed, 0 failed" in out and "aiohttp (client" in out
     (tmp_path / "o").mkdir()
-    (tmp_path / "o" / "output.jsonl").write_text('{"custom_id":"r0"}\n{"custom_id":"r1"}\n{"custom_id":"r1"}\n')
+    lines = ('{"custom_id":"r0"}', '{"custom_id":"r1"}', '{"custom_id":"r1"}')
+    (tmp_path / "o" / "output.jsonl").write_text("".join(line + "\n" for line in lines))
     assert das.count_output(tmp_path / "o", 3) == "2 answered, 1 twice, 1 missing"
     log = tmp_path / "dag.log"
     log.write_text(
