@@ -35,11 +35,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from driver_stub import StubProcess  # noqa: E402
 
 from aibrix_operators.localenv import airflow_env  # noqa: E402
 
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
-STUB = REPO / "bench" / "_stub_server.py"
 
 
 def write_input(path: Path, n: int) -> None:
@@ -52,24 +54,9 @@ def write_input(path: Path, n: int) -> None:
             }, separators=(",", ":")) + "\n")
 
 
-class Stub:
-    """The zero-latency stub in its own process (pinned to CPU 1 when the machine has two)."""
-
-    def __enter__(self) -> Stub:
-        cpu = ["--cpu", "1"] if (os.cpu_count() or 1) > 1 else []
-        self.proc = subprocess.Popen([sys.executable, str(STUB), "--port", "0", *cpu],
-                                     stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        m = re.match(r"PORT (\d+)", line)
-        if not m:
-            self.proc.kill()
-            raise RuntimeError(f"the stub did not start: {line!r}")
-        self.url = f"http://127.0.0.1:{m.group(1)}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def _stub_cpu() -> int | None:
+    """The stub's own core (CPU 1) when the machine has two."""
+    return 1 if (os.cpu_count() or 1) > 1 else None
 
 
 def count_output(out: Path, n: int) -> str:
@@ -114,8 +101,8 @@ def run_dag(args: argparse.Namespace) -> int:
     env = airflow_env()
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
     log = work / "dag.log"
-    with Stub() as stub:
-        conf = {"input_uri": str(inp), "output_uri": str(out), "endpoint": stub.url,
+    with StubProcess(_stub_cpu()) as stub:
+        conf = {"input_uri": str(inp), "output_uri": str(out), "endpoint": f"http://127.0.0.1:{stub.port}",
                 "requests_per_shard": args.per_shard, "concurrency": args.concurrency, "model": "tiny-llama",
                 "max_requests": args.requests}  # past OpenAI's 50,000 per file: the trigger raises it
         print(f"airflow dags test batch_inference: {args.requests:,} requests, shards of {args.per_shard:,}, "
@@ -163,8 +150,9 @@ def profile_shard(args: argparse.Namespace) -> int:
     shard = work / f"shard-{args.per_shard}.jsonl"
     write_input(shard, args.per_shard)
     results = work / f"results-{time.time_ns()}"
-    with Stub() as stub:
-        config = DriverConfig(endpoint=stub.url, concurrency=args.concurrency, api_key_env=None)
+    with StubProcess(_stub_cpu()) as stub:
+        config = DriverConfig(endpoint=f"http://127.0.0.1:{stub.port}", concurrency=args.concurrency,
+                              api_key_env=None)
         prof = cProfile.Profile()
         t0 = time.process_time()
         prof.enable()

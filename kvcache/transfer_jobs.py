@@ -40,6 +40,14 @@ class L1Chunk:
     sums: list[int | None]  # per layer, by l1_checksum: fingerprint, crc32, or None (off)
 
 
+def _chunk_rows(base: torch.Tensor, row0: int, item: ChunkTransfer) -> torch.Tensor:
+    """The host rows of ``item``'s blocks from ``base[row0:]``: a view when they are
+    consecutive, a gathered copy otherwise."""
+    rows = [row0 + i for i, _ in item.blocks]
+    consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+    return base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
+
+
 class LoadJob:
     """The loads of one engine step: per-layer progress and per-chunk outcome.
 
@@ -235,9 +243,7 @@ class LoadJob:
                     continue
                 base, row0 = src, 0
             if e.cuda:
-                rows = [row0 + i for i, _ in item.blocks]
-                consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-                src = base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
+                src = _chunk_rows(base, row0, item)
                 last_event = e.scatter_async(layer, [b for _, b in item.blocks], src, self.compute_ready)
             else:
                 moves.extend((base, row0 + i, b) for i, b in item.blocks)
@@ -264,10 +270,7 @@ class LoadJob:
         slots = {idx: slot for idx, slot, _ in slotted}
         for idx in singles:
             item = self.items[idx]
-            base, row0 = e.slab.rows(slots[idx], layer)
-            rows = [row0 + i for i, _ in item.blocks]
-            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-            src = base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
+            src = _chunk_rows(*e.slab.rows(slots[idx], layer), item)
             last_event = e.scatter_async(layer, [b for _, b in item.blocks], src, self.compute_ready)
         return last_event
 

@@ -81,7 +81,10 @@ class Usage:
         Whatever a server answers must end as a result line, so a ``"prompt_tokens": "n/a"``
         only loses that response's share of the totals.
         """
-        usage = body.get("usage") if isinstance(body, dict) else None
+        self.add_usage(body.get("usage") if isinstance(body, dict) else None)
+
+    def add_usage(self, usage: Any) -> None:
+        """``add_response_body`` for a body's ``usage`` alone (merge keeps only that)."""
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

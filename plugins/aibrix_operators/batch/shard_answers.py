@@ -102,7 +102,7 @@ def shard_answers(
             summary.total += 1
             if code is None:
                 summary.completed += 1
-                summary.usage.add_response_body({"usage": usage})
+                summary.usage.add_usage(usage)
                 yield position, line, False
             else:
                 summary.failed += 1
