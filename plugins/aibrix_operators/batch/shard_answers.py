@@ -58,20 +58,24 @@ def _shard_results(storage: Storage, segments: list[str]) -> tuple[dict[str, _An
     results: dict[str, _Answer] = {}
     repeats = 0
     for uri in segments:
-        for line in storage.read_bytes(uri).splitlines():
-            if not line:
-                continue
-            record = loads(line)
-            cid = record["custom_id"]
-            if cid in results:
-                repeats += 1
-                continue
-            error = record.get("error")
-            if error is None:
-                body = record["response"]["body"]
-                results[cid] = (line, body.get("usage") if isinstance(body, dict) else None, None)
-            else:
-                results[cid] = (line, None, str(error.get("code")))
+        # Streamed: reading a segment whole held it twice (the blob and its split lines) on top
+        # of the answers kept, the merge task's peak.
+        with storage.open_read(uri) as src:
+            for raw in src:
+                line = raw.rstrip(b"\r\n")
+                if not line:
+                    continue
+                record = loads(line)
+                cid = record["custom_id"]
+                if cid in results:
+                    repeats += 1
+                    continue
+                error = record.get("error")
+                if error is None:
+                    body = record["response"]["body"]
+                    results[cid] = (line, body.get("usage") if isinstance(body, dict) else None, None)
+                else:
+                    results[cid] = (line, None, str(error.get("code")))
     return results, repeats
 
 
