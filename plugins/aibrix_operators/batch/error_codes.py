@@ -87,6 +87,9 @@ class ValidationCode(StrEnum):
     MISSING_MODEL = "missing_model"
     # A line's body.model differs from the first line's, or from the model submitted; retry: no.
     MISMATCHED_MODEL = "mismatched_model"
+    # A line's body.model is neither the batch's base model nor one of the deployment's LoRA
+    # adapters of that base (docs/lora.md); retry: no, fix body.model or ask for the adapter.
+    UNKNOWN_MODEL = "unknown_model"
     # A field the line's endpoint requires in body is missing (body.input, body.query...); retry: no.
     MISSING_BODY_FIELD = "missing_body_field"
     # A body field has a type the line's endpoint does not take (param names it); retry: no.
@@ -118,6 +121,13 @@ class BatchFailure(StrEnum):
     BATCH_RUN_FAILED = "batch_run_failed"
     # The endpoint does not serve the batch's model; retry: no, fix the model or the endpoint.
     MODEL_NOT_SERVED = "model_not_served"
+    # A shard's LoRA adapter could not be fetched, verified or loaded (the message names it: a
+    # digest mismatch, a missing object, a server without runtime LoRA loading; docs/lora.md).
+    # The batch's other shards run; retry: no, until the deployment fixes the adapter or server.
+    ADAPTER_LOAD_FAILED = "adapter_load_failed"
+    # The deployment's adapter registry ([aibrix_batch] lora_adapters) is unreadable or invalid.
+    # retry: no, the deployment must fix the file.
+    INVALID_ADAPTER_REGISTRY = "invalid_adapter_registry"
     # Shared capacity mode cannot apply: capacity_mode contradicts the deployment, a shared setting
     # is out of range, or the server does not schedule by priority; retry: no (docs/shared-capacity.md).
     CAPACITY_MODE_REFUSED = "capacity_mode_refused"

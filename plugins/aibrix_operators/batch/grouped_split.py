@@ -88,6 +88,14 @@ def _even_cuts(sizes: np.ndarray, max_requests: int, max_bytes: int) -> list[tup
     return [(int(a), min(int(a) + max_requests, len(sizes))) for a in starts]
 
 
+def _model_runs(models: np.ndarray | None, n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of one model in send order (the whole range without models)."""
+    if models is None or n == 0:
+        return [(0, n)]
+    edges = (np.flatnonzero(models[1:] != models[:-1]) + 1).tolist()
+    return list(zip([0, *edges], [*edges, n], strict=True))
+
+
 def split_grouped(
     storage: Storage,
     input_uri: str,
@@ -96,8 +104,15 @@ def split_grouped(
     plan: ShardPlan,
     order: np.ndarray,
     offsets: np.ndarray,
+    models: np.ndarray | None = None,
+    adapters: list[str] | None = None,
 ) -> list[ShardSpec]:
-    """Write the requests into shard files in ``order`` (0-based request indices)."""
+    """Write the requests into shard files in ``order`` (0-based request indices).
+
+    With ``models`` (per request in input order: 0 the base model, k ``adapters[k - 1]``), no
+    shard holds two models: a shard's adapter is loaded before it runs, and an adapter that
+    fails to load fails only its own shards.
+    """
     if not report.ok:
         raise ValueError("refusing to split a file that failed validation")
     total = report.total_requests
@@ -119,10 +134,16 @@ def split_grouped(
         if last_open:
             written[total - 1] += 1
         permuted = written[order]
-        cuts = (_even_cuts(permuted, max_requests, plan.bytes_per_shard)
-                or cut_points(permuted.tolist(), max_requests, plan.bytes_per_shard))
+        sent_models = models[order] if models is not None else None
+        cuts: list[tuple[int, int]] = []
+        for a, b in _model_runs(sent_models, total):
+            run = permuted[a:b]
+            cuts += [(a + start, a + stop) for start, stop in
+                     (_even_cuts(run, max_requests, plan.bytes_per_shard)
+                      or cut_points(run.tolist(), max_requests, plan.bytes_per_shard))]
         pread = os.pread
         for start, stop in cuts:
+            model = int(sent_models[start]) if sent_models is not None else 0
             idxs = order[start:stop]
             uri = shard_uri(work_prefix, len(shards))
             # Plain lists per shard: numpy scalar indexing per line costs more than the read.
@@ -141,5 +162,6 @@ def split_grouped(
             luri = lines_uri(uri)
             storage.write_bytes(luri, numbers.tobytes())
             shards.append(ShardSpec(len(shards), uri, int(numbers[0]), len(idxs),
-                                    int(permuted[start:stop].sum()), luri))
+                                    int(permuted[start:stop].sum()), luri,
+                                    adapters[model - 1] if model and adapters else None))
     return shards

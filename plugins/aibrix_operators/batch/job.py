@@ -14,8 +14,11 @@ import dataclasses
 import json
 import re
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from aibrix_operators.batch.error_codes import RequestError, ValidationCode
 from aibrix_operators.batch.failures import (
@@ -94,6 +97,9 @@ class ValidatedBatch:
     prefix_order_uri: str | None = None
     prefix_groups: int = 0
     prefix_shared_requests: int = 0
+    # LoRA adapters of ``model`` that lines name, in first-seen order (docs/lora.md): the
+    # order file's model k is adapters[k - 1].
+    adapters: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,6 +123,7 @@ def validate_batch(
     output_storage: Storage | None = None,
     prefix_grouping: str = "off",
     prefix_order_uri: str | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -130,10 +137,17 @@ def validate_batch(
     ``prefix_grouping="auto"`` with a ``prefix_order_uri`` also collects prefix signatures
     and, when the file has shared prefixes worth grouping, writes the grouped send order
     there for ``split_batch`` (``batch/prefixes.py``); ``"off"`` keeps input order.
+
+    ``adapters`` (the deployment's LoRA adapters, name -> base model) lets lines name adapters
+    of the batch's base model; a batch that does is always sent grouped by adapter (prefix
+    grouping decides the order inside each adapter's requests), which needs ``prefix_order_uri``.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
-    signatures = PrefixSignatures() if prefix_grouping == "auto" and prefix_order_uri else None
+    by_model = bool(adapters) and prefix_order_uri is not None
+    signatures = (PrefixSignatures() if prefix_order_uri and (prefix_grouping == "auto" or by_model)
+                  else None)
+    model_ids = array("H") if by_model else None
     limits = limits or ValidationLimits()
     created_at = int(time.time())
     batch_id = batch_id or new_batch_id()
@@ -148,7 +162,7 @@ def validate_batch(
             with storage.open_read(input_uri) as stream:
                 report = validate_stream(
                     stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri),
-                    signatures=signatures,
+                    signatures=signatures, adapters=adapters, model_ids=model_ids,
                 )
         except Exception as exc:
             if not _is_storage_failure(exc):
@@ -172,10 +186,15 @@ def validate_batch(
         report.record = publish_failure(output_storage or storage, output_uri, batch)
         return report, None
     assert report.endpoint is not None and report.model is not None and window_s is not None
+    if report.adapter_counts and not by_model:
+        raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
+                         "prefix_order_uri for its send order")
     order_uri, groups, shared = None, 0, 0
     if signatures is not None and len(signatures) == report.total_requests:
-        grouping = grouping_order(signatures)
-        del signatures
+        models = (np.frombuffer(model_ids, dtype=np.uint16)
+                  if model_ids is not None and report.adapter_counts else None)
+        grouping = grouping_order(signatures, models, by_prefix=prefix_grouping == "auto")
+        del signatures, models
         groups, shared = grouping.groups, grouping.shared_requests
         if worth_grouping(grouping):
             assert prefix_order_uri is not None
@@ -188,6 +207,7 @@ def validate_batch(
         metadata=metadata or {}, max_line_bytes=limits.max_line_bytes,
         last_request_line=report.last_request_line,
         prefix_order_uri=order_uri, prefix_groups=groups, prefix_shared_requests=shared,
+        adapters=list(report.adapter_counts),
     )
 
 
@@ -215,8 +235,9 @@ def split_batch(
         total_bytes=batch.total_bytes, last_request_line=batch.last_request_line,
     )
     if batch.prefix_order_uri:
-        order, offsets = read_order(storage, batch.prefix_order_uri)
-        return split_grouped(storage, batch.input_uri, work, report, plan, order, offsets)
+        order, offsets, models = read_order(storage, batch.prefix_order_uri)
+        return split_grouped(storage, batch.input_uri, work, report, plan, order, offsets,
+                             models, batch.adapters)
     return split_file(storage, batch.input_uri, work, report, plan)
 
 

@@ -97,15 +97,24 @@ class PrefixGrouping:
     offsets: np.ndarray        # byte offset of every request line, plus the end of the last
     shared_requests: int       # requests that share a prefix of >= LEVELS[0] bytes with another
     groups: int                # distinct shared prefixes at the deepest level each request shares
+    # The model of every request in input order (0 the base, k the k-th LoRA adapter), when the
+    # batch names adapters: split cuts shards where the model changes.
+    models: np.ndarray | None = None
 
     @property
     def reorders(self) -> bool:
         return bool(len(self.order)) and not bool(np.all(self.order[1:] > self.order[:-1]))
 
 
-def grouping_order(signatures: PrefixSignatures) -> PrefixGrouping:
-    """Sort requests by (group of level 1, group of level 2, ..., line), groups ranked by first line.
+def grouping_order(
+    signatures: PrefixSignatures, models: np.ndarray | None = None, by_prefix: bool = True
+) -> PrefixGrouping:
+    """Sort requests by (model, group of level 1, group of level 2, ..., line), groups ranked by
+    first line.
 
+    ``models`` (one small integer per request: 0 the base model, k a LoRA adapter) puts each
+    adapter's requests back to back, so the server keeps one adapter's weights hot while they
+    run (docs/lora.md); ``by_prefix=False`` orders by model only.
     A request's group at a level is the first line holding the same prefix hash, or its own line
     when no other request shares it there: so every shared prefix is contiguous, sub-prefixes
     are contiguous inside it, and the first request of each group comes first. Ties keep input
@@ -114,9 +123,15 @@ def grouping_order(signatures: PrefixSignatures) -> PrefixGrouping:
     n = len(signatures)
     idx = np.arange(n, dtype=np.int64)
     keys: list[np.ndarray] = []
+    if models is not None and n and models.any():
+        _, first_line = np.unique(models, return_index=True)
+        # Models ranked by their first request, so the base is not forced ahead of the adapters.
+        rank = np.empty(int(models.max()) + 1, dtype=np.int64)
+        rank[np.unique(models)] = np.argsort(np.argsort(first_line))
+        keys.append(rank[models])
     shared_any = np.zeros(n, dtype=bool)
     deepest = np.full(n, -1, dtype=np.int64)  # the group each request shares at its deepest level
-    for column in signatures.columns():
+    for column in signatures.columns() if by_prefix else ():
         if n == 0 or not column.any():
             break  # no request is this long (nor longer: the levels only grow)
         _, first, inverse, counts = np.unique(
@@ -130,12 +145,13 @@ def grouping_order(signatures: PrefixSignatures) -> PrefixGrouping:
         del first, inverse, counts, shared
     offsets = np.append(np.frombuffer(signatures.offsets, dtype=np.int64) if n else
                         np.zeros(0, np.int64), np.int64(signatures.end))
+    with_models = models if models is not None and n and models.any() else None
     if not keys:
-        return PrefixGrouping(idx, offsets, 0, 0)
+        return PrefixGrouping(idx, offsets, 0, 0, with_models)
     # np.lexsort sorts by the last key first.
     order = np.lexsort((idx, *reversed(keys)))
     groups = len(np.unique(deepest[deepest >= 0]))
-    return PrefixGrouping(order.astype(np.int64), offsets, int(shared_any.sum()), groups)
+    return PrefixGrouping(order.astype(np.int64), offsets, int(shared_any.sum()), groups, with_models)
 
 
 def worth_grouping(grouping: PrefixGrouping) -> bool:
@@ -144,25 +160,33 @@ def worth_grouping(grouping: PrefixGrouping) -> bool:
     One prefix common to the whole file (a single system prompt) stays in any server's cache
     in input order; reordering would only cost the split and merge their extra work.
     """
-    return grouping.groups >= 2 and grouping.reorders
+    return grouping.models is not None or (grouping.groups >= 2 and grouping.reorders)
 
 
 # --------------------------------------------------------------------------- the order file
-# Written by validate beside the run's work files and read by split: two .npy arrays, the order
-# (int64 request indices) and the offsets (int64, one more than requests). 16 bytes per request.
+# Written by validate beside the run's work files and read by split: .npy arrays, the order
+# (int64 request indices) and the offsets (int64, one more than requests), 16 bytes per request;
+# then, for a batch that names LoRA adapters, the model of each request (uint16, input order).
 
 
 def write_order(storage: Storage, uri: str, grouping: PrefixGrouping) -> None:
     buf = io.BytesIO()
     np.save(buf, grouping.order, allow_pickle=False)
     np.save(buf, grouping.offsets, allow_pickle=False)
+    if grouping.models is not None:
+        np.save(buf, grouping.models.astype(np.uint16), allow_pickle=False)
     storage.write_bytes(uri, buf.getvalue())
 
 
-def read_order(storage: Storage, uri: str) -> tuple[np.ndarray, np.ndarray]:
-    buf = io.BytesIO(storage.read_bytes(uri))
+def read_order(storage: Storage, uri: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The order, the offsets, and the per-request models (None: one model)."""
+    data = storage.read_bytes(uri)
+    buf = io.BytesIO(data)
     order = np.load(buf, allow_pickle=False)
     offsets = np.load(buf, allow_pickle=False)
+    models = np.load(buf, allow_pickle=False) if buf.tell() < len(data) else None
     if len(offsets) != len(order) + 1:
         raise ValueError(f"{uri}: {len(order)} requests but {len(offsets)} offsets")
-    return order, offsets
+    if models is not None and len(models) != len(order):
+        raise ValueError(f"{uri}: {len(order)} requests but {len(models)} models")
+    return order, offsets, models

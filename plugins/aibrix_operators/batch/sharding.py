@@ -35,6 +35,8 @@ class ShardSpec:
     num_requests: int
     num_bytes: int
     lines_uri: str | None = None
+    # The LoRA adapter every line of this shard names (docs/lora.md); None: the base model.
+    adapter: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -81,7 +81,14 @@ class ValidationReport:
     """What validation learned about a file: its shape if valid, its errors if not."""
 
     endpoint: str | None = None
+    # The batch's base model: the first line's body.model, or the base of the adapter it names.
     model: str | None = None
+    # LoRA adapters of ``model`` that lines name (docs/lora.md), in first-seen order, with how
+    # many lines name each; their ids in the per-request model column are 1, 2, ... in this order.
+    adapter_counts: dict[str, int] = field(default_factory=dict)
+    # The deployment's adapters (name -> base model), given to validate_stream.
+    adapter_bases: dict[str, str] = field(default_factory=dict, repr=False)
+    adapter_ids: dict[str, int] = field(default_factory=dict, repr=False)
     total_requests: int = 0
     total_bytes: int = 0
     # The number of the last line that holds a request (trailing blank lines excluded).
@@ -110,9 +117,11 @@ class ValidationReport:
 
     def summary(self) -> str:
         if self.ok:
+            adapters = (f" and adapter(s) {', '.join(f'{a} ({n})' for a, n in self.adapter_counts.items())}"
+                        if self.adapter_counts else "")
             return (
                 f"valid batch: {self.total_requests} requests, {self.total_bytes} bytes, "
-                f"endpoint {self.endpoint}, model {self.model}"
+                f"endpoint {self.endpoint}, model {self.model}{adapters}"
             )
         shown = "\n".join(
             f"  line {e.line}: [{e.code}] {e.message}" if e.line else f"  [{e.code}] {e.message}"
@@ -174,11 +183,18 @@ def validate_stream(
     limits: ValidationLimits | None = None,
     reopen: Callable[[], BinaryIO] | None = None,
     signatures: PrefixSignatures | None = None,
+    adapters: dict[str, str] | None = None,
+    model_ids: array | None = None,
 ) -> ValidationReport:
     """Validate a batch file read from ``stream``.
 
     ``signatures``, if given, collects every valid request's prefix hashes and offset
     (``batch/prefixes.py``) for prefix-aware sharding.
+
+    ``adapters`` (adapter name -> base model, the deployment's LoRA registry) lets lines name
+    an adapter of the batch's base model instead of the base; ``model_ids``, if given, gets
+    one entry per valid request: 0 for the base, k for the k-th adapter of
+    ``report.adapter_counts``.
 
     ``endpoint`` is the batch's endpoint; if omitted, the first line's ``url``
     sets it. ``reopen`` returns a fresh stream over the same file; it is used
@@ -186,7 +202,7 @@ def validate_stream(
     fail a valid batch) and, without it, suspected duplicates are reported as is.
     """
     limits = limits or ValidationLimits()
-    report = ValidationReport(endpoint=endpoint)
+    report = ValidationReport(endpoint=endpoint, adapter_bases=dict(adapters or {}))
     err = _Collector(report, limits.max_reported_errors)
     if endpoint is not None and endpoint not in SUPPORTED_ENDPOINTS:
         err.add(None, ValidationCode.INVALID_ENDPOINT,
@@ -283,6 +299,8 @@ def validate_stream(
             add_line(line_no)
             if sign is not None:
                 sign(raw, total_bytes - size)
+            if model_ids is not None:
+                model_ids.append(_model_id(record, report))
 
     report.total_bytes = total_bytes
     if report.total_requests == 0 and report.error_count == 0:
@@ -446,18 +464,52 @@ def _check_record(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         err.add(line_no, ValidationCode.MISSING_MODEL, "body.model must be a non-empty string", "body.model")
-    elif report.model is None:
-        report.model = model
-    elif model != report.model:
-        err.add(line_no, ValidationCode.MISMATCHED_MODEL,
-                f"body.model {echo(model)} differs from {echo(report.model)} (first seen earlier); "
-                "a batch uses one model", "body.model")
+    else:
+        _check_model(model, line_no, report, err)
     # The body is checked against the line's own endpoint (a mismatch is reported above).
     check = BODY_CHECKS.get(url) if isinstance(url, str) else None
     if check is not None:
         for code, message, param in check(body):
             err.add(line_no, code, message, param)
     return custom_id
+
+
+def _check_model(model: str, line_no: int, report: ValidationReport, err: _Collector) -> None:
+    """One base model per batch; with the deployment's adapters, lines may also name adapters of it."""
+    base_of = report.adapter_bases.get(model)
+    if report.model is None:
+        report.model = base_of or model
+    if model == report.model:
+        return
+    if base_of is not None and base_of == report.model:
+        count = report.adapter_counts.get(model, 0)
+        if not count:
+            report.adapter_ids[model] = len(report.adapter_ids) + 1
+        report.adapter_counts[model] = count + 1
+        return
+    if not report.adapter_bases:
+        err.add(line_no, ValidationCode.MISMATCHED_MODEL,
+                f"body.model {echo(model)} differs from {echo(report.model)} (first seen earlier); "
+                "a batch uses one model", "body.model")
+    elif base_of is not None:
+        err.add(line_no, ValidationCode.MISMATCHED_MODEL,
+                f"body.model {echo(model)} is an adapter of {echo(base_of)}, but this batch's base model "
+                f"is {echo(report.model)} (first seen earlier); a batch uses one base model and its "
+                "adapters", "body.model")
+    else:
+        known = sorted(a for a, b in report.adapter_bases.items() if b == report.model)
+        listed = f"its adapters are {', '.join(known[:20])}" if known else "it has no adapters"
+        err.add(line_no, ValidationCode.UNKNOWN_MODEL,
+                f"body.model {echo(model)} is neither the batch's model {echo(report.model)} nor one of "
+                f"its LoRA adapters ({listed}); fix body.model, or ask the deployment to list the "
+                "adapter", "body.model")
+
+
+def _model_id(record: Any, report: ValidationReport) -> int:
+    """0 for the base model, k for the k-th adapter of ``report.adapter_counts``."""
+    body = record.get("body") if type(record) is dict else None
+    model = body.get("model") if type(body) is dict else None
+    return report.adapter_ids.get(model, 0) if model != report.model else 0
 
 
 def _report_duplicates(

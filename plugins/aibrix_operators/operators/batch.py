@@ -39,10 +39,12 @@ from aibrix_operators.batch.records import (
 from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
+from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.job_pool import load_job_pool_limits
+from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
@@ -155,6 +157,11 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             self._fail(context, batch_id, metadata, BatchFailure.INVALID_OUTPUT_URI,
                        f"input {self.input_uri} and output {self.output_uri} must be on the same kind "
                        "of storage (both local or both s3://)", None, out_storage)
+        try:
+            adapters = load_adapter_registry()
+        except AdapterRegistryError as exc:
+            self._fail(context, batch_id, metadata, BatchFailure.INVALID_ADAPTER_REGISTRY, str(exc),
+                       output_refusal, out_storage)
         limits = ValidationLimits(
             max_requests=int(self.max_requests), max_file_bytes=int(self.max_file_bytes),
             max_line_bytes=int(self.max_line_bytes),
@@ -165,6 +172,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             expected_model=self.expected_model or None, output_storage=out_storage,
             prefix_grouping=str(self.prefix_grouping or "auto"),
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
+            adapters=adapters.bases(),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:

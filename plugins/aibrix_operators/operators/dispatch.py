@@ -32,6 +32,8 @@ from aibrix_operators.driver.results import results_prefix
 from aibrix_operators.driver_pods.outcome import DriverPodFailure
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
+from aibrix_operators.lora.registry import AdapterRegistryError
+from aibrix_operators.lora.serving import AdapterLoadFailed, ensure_adapter
 from aibrix_operators.operators.batch_metrics import shard_finished
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.shard_turns import wait_for_turn
@@ -39,6 +41,7 @@ from aibrix_operators.operators.step_errors import records_step_error
 from aibrix_operators.settings.capacity import capacity_for
 from aibrix_operators.settings.driver_pods import load_driver_pod_settings
 from aibrix_operators.settings.job_pool import load_job_pool_limits
+from aibrix_operators.settings.lora import adapter_cache_dir, load_adapter_registry
 from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
@@ -228,6 +231,15 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     def _dispatch(self, context: Context) -> dict[str, Any]:
         if self.execution_mode == "kubernetes":
             request = self._pod_request(context)
+            adapter_shard = ShardSpec.from_dict(self.shard)
+            if adapter_shard.adapter:
+                try:
+                    target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+                except TrustViolation as exc:
+                    raise AirflowFailException(str(exc)) from exc
+                prepare_adapter(adapter_shard, DriverConfig(
+                    endpoint=target.endpoint, api_key_env=None, api_key=target.api_key,
+                    api_key_origin=target.api_key_origin))
             # Defers (raises TaskDeferred) unless a reattached pod has already finished.
             event = self._kubernetes().start(context, request)
             assert event is not None
@@ -250,6 +262,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
+        prepare_adapter(shard, config)
         storage = self.hook.storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
@@ -337,6 +350,18 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             cache_salt=cache_salt, capacity_json=capacity.to_json() if capacity is not None else None,
             memory=memory,
         )
+
+
+def prepare_adapter(shard: ShardSpec, config: DriverConfig) -> None:
+    """The shard's LoRA adapter fetched, verified and loaded on its server (lora/serving.py);
+    a failure fails the task with the adapter's name (retrying cannot fix a wrong digest)."""
+    if not shard.adapter:
+        return
+    try:
+        adapter = load_adapter_registry().get(shard.adapter)
+        asyncio.run(ensure_adapter(config.base_url, config.headers(), adapter, adapter_cache_dir()))
+    except (AdapterLoadFailed, AdapterRegistryError) as exc:
+        raise AirflowFailException(f"{shard.name}: {exc}") from exc
 
 
 def _salt_key() -> bytes | None:

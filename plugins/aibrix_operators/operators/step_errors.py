@@ -30,6 +30,8 @@ _CODES = {
     "ExactlyOnceViolation": BatchFailure.EXACTLY_ONCE_VIOLATION,
     "ShardChanged": BatchFailure.INPUT_CHANGED,
     "TrustViolation": BatchFailure.REFUSED_BY_POLICY,
+    "AdapterLoadFailed": BatchFailure.ADAPTER_LOAD_FAILED,
+    "AdapterRegistryError": BatchFailure.INVALID_ADAPTER_REGISTRY,
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

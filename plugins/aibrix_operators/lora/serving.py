@@ -1,0 +1,112 @@
+"""Make a LoRA adapter present on a vLLM server before a shard that names it runs.
+
+1. **Fetch and verify**: the model fetcher (``serving/model_fetch.py``) copies the adapter's
+   folder from the deployment's ``s3://`` URI to ``<cache>/<name>/<manifest digest>/``,
+   checking every file against the manifest and the manifest against the digest the registry
+   pins. Resumable, and a verified copy is not downloaded again. A file lock per folder: two
+   shards of one adapter on one node fetch it once.
+2. **Load**: ``POST /v1/load_lora_adapter`` with that folder, unless ``GET /v1/models`` already
+   lists the adapter from that very folder. vLLM reads the folder itself, so the cache must be
+   at the same path on the server (one node, or a shared volume: docs/lora.md).
+
+A changed adapter has a new manifest digest, so it loads from a new folder; vLLM then replaces
+the old weights under the name (``load_inplace``) and never mixes the two (vLLM's advice:
+"load changed weights from a new path"). Any failure raises ``AdapterLoadFailed``, whose
+message names the adapter and what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from aibrix_operators.lora.registry import Adapter
+from aibrix_operators.serving.model_fetch import FetchError, fetch_model
+
+log = logging.getLogger(__name__)
+
+RUNTIME_LORA_HINT = ("start vLLM with --enable-lora (and --max-lora-rank / --max-loras to fit the "
+                     "adapters) and the environment VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
+
+
+class AdapterLoadFailed(Exception):
+    """The adapter could not be made present on the server; the shard cannot run."""
+
+
+def adapter_dir(cache_dir: Path, adapter: Adapter) -> Path:
+    return cache_dir / adapter.name / adapter.version
+
+
+def fetch_adapter(adapter: Adapter, cache_dir: Path, s3_client: Any = None) -> Path:
+    """The adapter's verified local folder, fetched if needed (blocking)."""
+    dest = adapter_dir(cache_dir, adapter)
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f"{adapter.version}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            report = fetch_model(adapter.uri, dest, manifest_sha256=adapter.manifest_sha256,
+                                 client=s3_client)
+        except FetchError as exc:
+            raise AdapterLoadFailed(f"LoRA adapter {adapter.name!r} ({adapter.uri}): {exc}") from exc
+    log.info("LoRA adapter %s: %d file(s) verified in %s (%d downloaded now)", adapter.name,
+             report.files, dest, len(report.fetched))
+    return dest
+
+
+async def _loaded_from(session: aiohttp.ClientSession, base_url: str, name: str) -> str | None:
+    """The folder the server serves adapter ``name`` from, or None if it does not serve it."""
+    async with session.get(f"{base_url}/v1/models") as resp:
+        if resp.status != 200:
+            return None
+        listing = await resp.json(content_type=None)
+    for card in listing.get("data", []) if isinstance(listing, dict) else []:
+        if isinstance(card, dict) and card.get("id") == name:
+            return str(card.get("root") or "")
+    return None
+
+
+async def load_on_server(
+    base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path, timeout_s: float = 300.0
+) -> bool:
+    """Load ``folder`` as ``adapter.name`` on the server; False when it already served that folder."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+        current = await _loaded_from(session, base_url, adapter.name)
+        if current == str(folder):
+            return False
+        body = {"lora_name": adapter.name, "lora_path": str(folder), "load_inplace": current is not None}
+        async with session.post(f"{base_url}/v1/load_lora_adapter", json=body) as resp:
+            if resp.status == 200:
+                return True
+            text = (await resp.text())[:500]
+        # Another shard of the batch may have loaded it between the listing and the load.
+        if resp.status == 400 and await _loaded_from(session, base_url, adapter.name) == str(folder):
+            return False
+    if resp.status in (404, 405):
+        raise AdapterLoadFailed(
+            f"LoRA adapter {adapter.name!r}: {base_url} does not load adapters at run time "
+            f"(POST /v1/load_lora_adapter answered {resp.status}); {RUNTIME_LORA_HINT}")
+    raise AdapterLoadFailed(
+        f"LoRA adapter {adapter.name!r}: {base_url} refused to load it from {folder} "
+        f"(HTTP {resp.status}: {text.strip()}); check that it is an adapter of the served base "
+        f"model {adapter.base_model!r} and fits --max-lora-rank")
+
+
+async def ensure_adapter(
+    base_url: str, headers: dict[str, str], adapter: Adapter, cache_dir: Path, s3_client: Any = None
+) -> Path:
+    """Fetch, verify and load ``adapter`` on the server at ``base_url``; its folder."""
+    folder = await asyncio.to_thread(fetch_adapter, adapter, cache_dir, s3_client)
+    try:
+        loaded = await load_on_server(base_url, headers, adapter, folder)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise AdapterLoadFailed(f"LoRA adapter {adapter.name!r}: cannot reach {base_url} to load it "
+                                f"({type(exc).__name__}: {exc})") from exc
+    log.info("LoRA adapter %s %s on %s", adapter.name, "loaded" if loaded else "already served",
+             base_url)
+    return folder

@@ -1,0 +1,38 @@
+"""LoRA adapters from the ``[aibrix_batch]`` section of the Airflow config (the deployment's).
+
+Keys (both optional; without ``lora_adapters`` no batch may name an adapter)::
+
+    [aibrix_batch]
+    lora_adapters = /etc/aibrix/lora-adapters.yaml   # the registry (lora/registry.py)
+    lora_cache_dir = /var/lib/aibrix/lora            # where adapters are fetched to; the vLLM
+                                                     # servers must see it at the same path
+
+docs/lora.md explains both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aibrix_operators import config_sections
+from aibrix_operators.localenv import REPO_ROOT
+from aibrix_operators.lora.registry import EMPTY, AdapterRegistry, load_registry
+
+SECTION = config_sections.BATCH
+# Local development: beside the checkout's other work files.
+DEFAULT_CACHE_DIR = REPO_ROOT / ".work" / "lora-cache"
+
+
+def load_adapter_registry() -> AdapterRegistry:
+    """The deployment's adapters; an unset key means none. A bad file raises AdapterRegistryError."""
+    from airflow.sdk import conf
+
+    path = (conf.get(SECTION, "lora_adapters", fallback=None) or "").strip()
+    return load_registry(path) if path else EMPTY
+
+
+def adapter_cache_dir() -> Path:
+    from airflow.sdk import conf
+
+    raw = (conf.get(SECTION, "lora_cache_dir", fallback=None) or "").strip()
+    return Path(raw) if raw else DEFAULT_CACHE_DIR

@@ -1,0 +1,188 @@
+"""LoRA adapters as batch models, end to end: `airflow dags test batch_inference` against a real
+vLLM CPU server that loads adapters at run time, the adapters pulled from a real SeaweedFS.
+
+Three adapters (``inference_images/vllm/make_lora.py``, seeded) and the base model are mixed in
+one batch. Each answer must be the one a server started with that adapter preloaded
+(``--lora-modules``) gives: greedy tokens, compared exactly. A fourth adapter is published with
+one byte flipped after its manifest was pinned: its shard fails with the adapter's name while the
+batch's other shards are answered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.serving.model_manifest import MANIFEST_NAME, write_manifest
+from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
+from tests.integration.services import S3Server
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUCKET = "lora-test"
+ADAPTERS = {"a1": 1, "a2": 2, "a3": 3}  # name -> make_lora seed
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "4"]
+PROMPTS = 6
+
+
+def make_adapters(tiny_model: Path, root: Path, seeds: dict[str, int]) -> dict[str, Path]:
+    made = {}
+    for name, seed in seeds.items():
+        out = root / name
+        subprocess.run([str(INFERENCE_PYTHON), str(REPO_ROOT / "inference_images/vllm/make_lora.py"),
+                        str(tiny_model), str(out), "--seed", str(seed)], check=True)
+        write_manifest(out)
+        made[name] = out
+    return made
+
+
+def publish(s3: S3Server, folder: Path, flip_byte_of: str | None = None) -> str:
+    """Upload an adapter folder (its manifest included) under a fresh prefix; its URI. With
+    ``flip_byte_of``, that file goes up with one byte changed: the manifest no longer matches."""
+    prefix = f"{folder.name}-{uuid.uuid4().hex[:8]}"
+    client = s3.client()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        if path.name == flip_byte_of:
+            data = data[:100] + bytes([data[100] ^ 0x01]) + data[101:]
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{path.name}", Body=data)
+    return f"s3://{BUCKET}/{prefix}/"
+
+
+def pin(folder: Path) -> str:
+    return hashlib.sha256((folder / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_model: Path, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    client = s3_server.client()
+    if BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket=BUCKET)
+    root = tmp_path_factory.mktemp("adapters")
+    folders = make_adapters(tiny_model, root, {**ADAPTERS, "broken": 4})
+    entries = [{"name": name, "base_model": SERVED_NAME, "manifest_sha256": pin(folder),
+                "uri": publish(s3_server, folder, "adapter_model.safetensors" if name == "broken" else None)}
+               for name, folder in folders.items()]
+    registry = root / "lora-adapters.json"
+    registry.write_text(json.dumps({"adapters": entries}))
+    return {"folders": folders, "registry": registry, "cache": root / "cache"}
+
+
+@pytest.fixture(scope="module")
+def runtime_server(tiny_model: Path) -> Iterator[VLLMServer]:
+    """What the deployment runs: no adapter preloaded, runtime loading allowed."""
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
+                          extra_args=LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    with VLLMServer(spec) as server:
+        yield server
+
+
+def requests(models: list[str], seed: int = 5) -> list[dict]:
+    """Every prompt under every model, shuffled: adapters interleaved in input order."""
+    rows = [(p, m) for p in range(PROMPTS) for m in models]
+    random.Random(seed).shuffle(rows)
+    return [{"custom_id": f"p{p}-{m}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": m, "max_tokens": 8, "temperature": 0.0,
+                      "messages": [{"role": "user", "content": f"Prompt {p}: tell me about rivers"}]}}
+            for p, m in rows]
+
+
+def lora_env(env: dict[str, str], s3: S3Server, setup: dict) -> dict[str, str]:
+    return {**env, **s3.env(),
+            "AIRFLOW__AIBRIX_BATCH__LORA_ADAPTERS": str(setup["registry"]),
+            "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(setup["cache"])}
+
+
+def answer(record: dict) -> str:
+    return record["response"]["body"]["choices"][0]["message"]["content"]
+
+
+def post(base_url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def shard_models(out: Path) -> list[set[str]]:
+    files = sorted(out.rglob("shard-*.jsonl"))
+    assert files, f"no shard files under {out}"
+    return [{json.loads(raw)["body"]["model"] for raw in f.read_text().splitlines()} for f in files]
+
+
+def test_mixed_adapters_answered_by_their_adapters(
+    airflow_session_env: dict[str, str], s3_server: S3Server, lora_setup: dict,
+    runtime_server: VLLMServer, tiny_model: Path, tmp_path: Path,
+) -> None:
+    batch = requests([SERVED_NAME, *ADAPTERS])
+    out = tmp_path / "out"
+    proc = dags_test(lora_env(airflow_session_env, s3_server, lora_setup), {
+        "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(out),
+        "endpoint": runtime_server.base_url, "model": SERVED_NAME, "requests_per_shard": 4,
+        "concurrency": 1,
+    }, tmp_path / "logs")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    output = read_jsonl((out / "output.jsonl").read_text())
+    assert (out / "errors.jsonl").read_text() == ""
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in batch]  # input order
+
+    # Grouped: no shard file mixes models, and each model's shards are back to back.
+    per_shard = shard_models(out)
+    assert all(len(models) == 1 for models in per_shard), per_shard
+    order = [next(iter(m)) for m in per_shard]
+    assert len([m for k, m in enumerate(order) if k == 0 or order[k - 1] != m]) == 4, order
+
+    # Loaded at run time, from the verified cache.
+    with urllib.request.urlopen(f"{runtime_server.base_url}/v1/models", timeout=10) as resp:
+        roots = {c["id"]: c.get("root") for c in json.loads(resp.read())["data"]}
+    for name in ADAPTERS:
+        assert str(lora_setup["cache"] / name) in roots[name], roots
+
+    got = {r["custom_id"]: answer(r) for r in output}
+    for name in ADAPTERS:  # the adapters change the answers, so serving the base would be caught
+        differ = sum(got[f"p{p}-{name}"] != got[f"p{p}-{SERVED_NAME}"] for p in range(PROMPTS))
+        assert differ >= PROMPTS // 2, (name, differ)
+
+    # The reference: a server started with the adapters preloaded, one request at a time.
+    modules = [f"{n}={lora_setup['folders'][n]}" for n in ADAPTERS]
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
+                          extra_args=[*LORA_ARGS, "--lora-modules", *modules])
+    with VLLMServer(spec) as reference:
+        want = {r["custom_id"]: post(reference.base_url, r["body"])["choices"][0]["message"]["content"]
+                for r in batch}
+    assert got == want
+
+
+def test_corrupted_adapter_fails_its_shard_by_name(
+    airflow_session_env: dict[str, str], s3_server: S3Server, lora_setup: dict,
+    runtime_server: VLLMServer, tmp_path: Path,
+) -> None:
+    batch = requests([SERVED_NAME, "a1", "broken"], seed=6)
+    out = tmp_path / "out"
+    proc = dags_test(lora_env(airflow_session_env, s3_server, lora_setup), {
+        "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(out),
+        "endpoint": runtime_server.base_url, "model": SERVED_NAME, "requests_per_shard": 6,
+        "concurrency": 2,
+    }, tmp_path / "logs")
+    assert proc.returncode != 0
+    record = json.loads((out / "batch.json").read_text())
+    assert record["status"] == "failed"
+    (error,) = record["errors"]["data"]
+    assert error["code"] == "adapter_load_failed", error
+    assert "LoRA adapter 'broken'" in error["message"] and "adapter_model.safetensors" in error["message"]
+    # The broken adapter never reached the server; the other shards were answered.
+    with urllib.request.urlopen(f"{runtime_server.base_url}/v1/models", timeout=10) as resp:
+        served = {c["id"] for c in json.loads(resp.read())["data"]}
+    assert "broken" not in served and "a1" in served
+    segments = [f for f in out.rglob("*.jsonl") if "results" in f.parts]
+    answered = {json.loads(line)["custom_id"] for f in segments
+                for line in f.read_text().splitlines() if line.strip()}
+    assert answered == {r["custom_id"] for r in batch if r["body"]["model"] != "broken"}
