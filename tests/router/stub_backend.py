@@ -32,6 +32,11 @@ class StubBackend:
     # Stream chunks written so far (all requests).
     chunks_sent: int = 0
     server: TestServer | None = None
+    # LoRA adapters this instance serves (name -> folder), and the load calls it got.
+    loras: dict[str, str] = field(default_factory=dict)
+    lora_loads: list[dict[str, Any]] = field(default_factory=list)
+    # (status, text) for POST /v1/load_lora_adapter; None = load it.
+    lora_answer: tuple[int, str] | None = None
 
     @property
     def url(self) -> str:
@@ -45,7 +50,19 @@ class StubBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._post)
         app.router.add_post("/v1/chat/completions", self._post)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
         return app
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        # vLLM's rules: a name already loaded needs load_inplace.
+        body = await request.json()
+        self.lora_loads.append(body)
+        if self.lora_answer is not None:
+            return web.Response(status=self.lora_answer[0], text=self.lora_answer[1])
+        if body["lora_name"] in self.loras and not body.get("load_inplace"):
+            return web.json_response({"error": {"message": "has already been loaded"}}, status=400)
+        self.loras[body["lora_name"]] = body["lora_path"]
+        return web.Response(text="Success")
 
     async def start(self) -> StubBackend:
         self.server = TestServer(self.app(), host="127.0.0.1")
@@ -73,7 +90,9 @@ class StubBackend:
 
     async def _models(self, request: web.Request) -> web.Response:
         headers = {"x-aibrix-scheduling-policy": self.policy} if self.policy else None
-        listing = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        cards = [{"id": "m", "object": "model", "root": "/models/m"}]
+        cards += [{"id": n, "object": "model", "root": p, "parent": "m"} for n, p in self.loras.items()]
+        listing = {"object": "list", "data": cards}
         return web.json_response(listing, headers=headers)
 
     async def _post(self, request: web.Request) -> web.StreamResponse:

@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .adapters import RouterAdapters
 from .admission import Admission
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK, PrefixAffinity
 from .backends import DECODE, PREFILL, Backend, BackendPool
@@ -23,6 +24,7 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 CHECKER = web.AppKey("checker", HealthChecker)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+ADAPTERS = web.AppKey("adapters", RouterAdapters)
 
 
 def build_app(
@@ -54,10 +56,13 @@ def build_app(
             auto_decompress=False,
         )  # fmt: skip
         app[SESSION] = session
+        adapters = RouterAdapters(session)
+        app[ADAPTERS] = adapters
         app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s,
                              body_timeout_s=body_timeout_s, affinity=affinity,
-                             admission=admission)  # fmt: skip
-        checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns)
+                             admission=admission, adapters=adapters)  # fmt: skip
+        checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns,
+                                adapters=adapters)
         app[CHECKER] = checker
         await checker.refresh()  # serve with a known pool from the first request
         checker.start()
@@ -97,7 +102,10 @@ def build_app(
                 async with app[SESSION].get(
                     backend.url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
                 ) as r:
-                    resp = web.Response(status=r.status, body=await r.read(), content_type="application/json")
+                    payload = await r.read()
+                    if r.status == 200:
+                        payload = app[ADAPTERS].filter_models(payload, pool.backends)
+                    resp = web.Response(status=r.status, body=payload, content_type="application/json")
                     # "priority" only when both hold: the router forwards online requests first and
                     # the instance schedules by priority too (a batch request already forwarded
                     # must still yield inside vLLM).
@@ -109,6 +117,18 @@ def build_app(
             except (aiohttp.ClientError, TimeoutError, OSError):
                 continue
         return openai_error(503, "no healthy instance", "no_instance")
+
+    async def load_lora_adapter(request: web.Request) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+            name, path = body["lora_name"], body["lora_path"]
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise TypeError
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return openai_error(400, "send {\"lora_name\": ..., \"lora_path\": ...}", "invalid_request",
+                                "invalid_request_error")
+        status, answer = await app[ADAPTERS].load(name, path, pool.backends)
+        return web.Response(status=status, body=orjson.dumps(answer), content_type="application/json")
 
     async def health(request: web.Request) -> web.StreamResponse:
         # Decode is what must be up: without prefill, decode computes prompts itself.
@@ -125,6 +145,7 @@ def build_app(
     app.router.add_post(CHAT, route(CHAT))
     app.router.add_post(COMPLETIONS, route(COMPLETIONS))
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", prometheus)
     return app

@@ -39,6 +39,9 @@ class Backend:
     inflight: int = 0
     # Set by discovery; a backend no longer discovered is dropped once idle.
     discovered: bool = field(default=False, repr=False)
+    # LoRA adapters loaded through the router that this instance holds: name -> folder
+    # (router/adapters.py).
+    adapters: dict[str, str] = field(default_factory=dict, repr=False)
 
     def score(self) -> float:
         # The scrape already counts our in-flight requests, up to a scrape interval late;

@@ -13,6 +13,7 @@ import socket
 
 import aiohttp
 
+from .adapters import RouterAdapters
 from .backends import Backend, BackendPool
 from .load import parse_load
 from .metrics import RouterMetrics
@@ -31,8 +32,10 @@ class HealthChecker:
         timeout_s: float = 2.0,
         dns: dict[str, str] | None = None,
         scheme: str = "http",
+        adapters: RouterAdapters | None = None,
     ) -> None:
         self.pool = pool
+        self.adapters = adapters
         self.session = session
         self.metrics = metrics
         self.interval_s = interval_s
@@ -47,7 +50,15 @@ class HealthChecker:
         try:
             async with self.session.get(backend.url + "/health", timeout=self.timeout) as r:
                 await r.read()
-                backend.healthy = r.status == 200
+                up = r.status == 200
+            if up and not was and self.adapters is not None and self.adapters.wanted:
+                # New or back (a restarted vLLM has lost adapters loaded at run time): it gets
+                # the router's adapters before it counts as healthy. One it cannot load, it
+                # does not serve (the proxy sends that adapter's requests elsewhere).
+                outcome = await self.adapters.sync(backend)
+                if not outcome.ok:
+                    log.warning("LoRA adapters not synced to %s", outcome.detail)
+            backend.healthy = up
             if backend.healthy:
                 async with self.session.get(backend.url + "/metrics", timeout=self.timeout) as r:
                     if r.status == 200:

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .adapters import RouterAdapters
 from .admission import BATCH, Admission, Shed
 from .affinity import PrefixAffinity, prefix_blocks
 from .backends import DECODE, PREFILL, Backend, BackendPool
@@ -51,8 +52,10 @@ class Proxy:
         decode_attempts: int = 3,
         affinity: PrefixAffinity | None = None,
         admission: Admission | None = None,
+        adapters: RouterAdapters | None = None,
     ) -> None:
         self.pool = pool
+        self.adapters = adapters
         self.admission = admission
         self.affinity = affinity
         self.session = session
@@ -80,11 +83,11 @@ class Proxy:
         return backend
 
     async def _prefill(
-        self, path: str, body: dict[str, Any], blocks: list[int]
+        self, path: str, body: dict[str, Any], blocks: list[int], exclude: set[str] | None = None
     ) -> tuple[web.Response | None, Backend | None, Any]:
         """Returns (a response to pass back to the client, the prefill instance, the
         kv_transfer_params it returned). The response is set only for the request's own error."""
-        backend = self._pick(PREFILL, blocks)
+        backend = self._pick(PREFILL, blocks, exclude=exclude)
         if backend is None:
             self.metrics.prefill_fallback.inc()
             return None, None, None
@@ -196,13 +199,16 @@ class Proxy:
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any]
     ) -> web.StreamResponse:
         blocks = prefix_blocks(raw, body) if self.affinity is not None else []
-        error, prefill, params = await self._prefill(path, body, blocks)
+        # A LoRA adapter loaded through the router: only instances that hold it may serve it.
+        lacking = (self.adapters.lacking(body.get("model"), self.pool.backends)
+                   if self.adapters is not None and self.adapters.wanted else None)
+        error, prefill, params = await self._prefill(path, body, blocks, lacking)
         if error is not None:
             return error
         # The raw bytes when nothing changes (the common case, no re-encoding on the hot path).
         data = orjson.dumps(decode_body(body, params)) if params or "kv_transfer_params" in body else raw
         stream = bool(body.get("stream"))
-        tried: set[str] = set()
+        tried: set[str] = set(lacking or ())
         for _ in range(self.decode_attempts):
             backend = self._pick(DECODE, blocks, prefill.pod_set if prefill else None, tried)
             if backend is None:
@@ -218,6 +224,9 @@ class Proxy:
                 self.metrics.decode_retries.inc()
             finally:
                 backend.inflight -= 1
+        if lacking:
+            return openai_error(503, "no healthy decode instance holds the LoRA adapter "
+                                f"{body.get('model')!r} yet; send it again later", "no_decode_instance")
         return openai_error(503, "no healthy decode instance", "no_decode_instance")
 
     async def _decode(

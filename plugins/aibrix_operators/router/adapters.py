@@ -1,0 +1,121 @@
+"""LoRA adapters behind the router: loaded on every instance, and requests only where they are.
+
+A batch's dispatch task loads its adapter with ``POST /v1/load_lora_adapter`` on the endpoint it
+is given (docs/lora.md). Behind the router that endpoint is many instances of two roles, and
+both need the adapter: prefill computes the prompt's KV with it, decode the tokens. So:
+
+- **Load fans out.** The router remembers the adapter (name and folder) and loads it on every
+  healthy instance, asking each ``GET /v1/models`` first: an instance that already serves that
+  folder is left alone. The answer is 200 only when every healthy instance holds it.
+- **New and restarted instances catch up.** The health loop syncs the remembered adapters onto
+  an instance before it counts as healthy again (a restarted vLLM has lost adapters loaded at
+  run time).
+- **Requests go only where the adapter is.** A request whose ``body.model`` is a remembered
+  adapter is sent to instances holding it; with no such prefill instance, decode computes the
+  prompt itself (as when prefill is down); with no such decode instance, 503.
+- **``GET /v1/models``** lists a remembered adapter only when every healthy instance holds it,
+  so the dispatch task's "already loaded?" check cannot skip a fan-out that is still needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .backends import Backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadOutcome:
+    ok: bool
+    detail: str
+
+
+@dataclass
+class RouterAdapters:
+    """The adapters loaded through this router: name -> the folder the instances load it from."""
+
+    session: aiohttp.ClientSession
+    timeout: aiohttp.ClientTimeout = field(default_factory=lambda: aiohttp.ClientTimeout(total=300))
+    wanted: dict[str, str] = field(default_factory=dict)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def lacking(self, model: Any, backends: list[Backend]) -> set[str] | None:
+        """URLs of instances that do not hold ``model``, or None when it is not a router adapter."""
+        path = self.wanted.get(model) if isinstance(model, str) else None
+        if path is None:
+            return None
+        return {b.url for b in backends if b.adapters.get(model) != path}
+
+    async def _served(self, backend: Backend) -> dict[str, str]:
+        async with self.session.get(backend.url + "/v1/models", timeout=self.timeout) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
+                                                  message="GET /v1/models")
+            listing = orjson.loads(await r.read())
+        cards = listing.get("data", []) if isinstance(listing, dict) else []
+        return {c["id"]: str(c.get("root") or "") for c in cards if isinstance(c, dict) and "id" in c}
+
+    async def sync(self, backend: Backend, only: str | None = None) -> LoadOutcome:
+        """Load the wanted adapters (or just ``only``) the instance lacks; record what it holds."""
+        lock = self._locks.setdefault(backend.url, asyncio.Lock())
+        async with lock:
+            try:
+                served = await self._served(backend)
+                backend.adapters = {n: p for n, p in served.items() if n in self.wanted}
+                for name, path in list(self.wanted.items()):
+                    if (only is not None and name != only) or served.get(name) == path:
+                        continue
+                    body = {"lora_name": name, "lora_path": path, "load_inplace": name in served}
+                    async with self.session.post(backend.url + "/v1/load_lora_adapter",
+                                                 data=orjson.dumps(body), timeout=self.timeout,
+                                                 headers={"Content-Type": "application/json"}) as r:
+                        text = (await r.read()).decode(errors="replace")[:300]
+                        if r.status != 200:
+                            return LoadOutcome(False, f"{backend.role} {backend.url}: HTTP {r.status} {text}")
+                    backend.adapters[name] = path
+                    log.info("LoRA adapter %s loaded on %s %s", name, backend.role, backend.url)
+            except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
+                return LoadOutcome(False, f"{backend.role} {backend.url}: {type(exc).__name__}: {exc}")
+        return LoadOutcome(True, f"{backend.role} {backend.url}")
+
+    async def load(self, name: str, path: str, backends: list[Backend]) -> tuple[int, dict[str, Any]]:
+        """The router's ``POST /v1/load_lora_adapter``: remember, then load on every healthy instance."""
+        self.wanted[name] = path
+        healthy = [b for b in backends if b.healthy]
+        if not healthy:
+            return 503, _error("no healthy instance to load the adapter on", "no_instance")
+        outcomes = await asyncio.gather(*(self.sync(b, only=name) for b in healthy))
+        failed = [o.detail for o in outcomes if not o.ok]
+        if failed:
+            return 502, _error(f"LoRA adapter {name!r} did not load on {len(failed)} of {len(healthy)} "
+                               f"instance(s): {'; '.join(failed)}", "adapter_load_failed")
+        return 200, {"loaded": name, "instances": len(healthy)}
+
+    def filter_models(self, payload: bytes, backends: list[Backend]) -> bytes:
+        """An instance's model list without router adapters some healthy instance lacks."""
+        if not self.wanted:
+            return payload
+        try:
+            listing = orjson.loads(payload)
+            cards = listing["data"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return payload
+        healthy = [b for b in backends if b.healthy]
+        listing["data"] = [
+            c for c in cards
+            if not (isinstance(c, dict) and c.get("id") in self.wanted
+                    and any(b.adapters.get(c["id"]) != self.wanted[c["id"]] for b in healthy))
+        ]
+        return orjson.dumps(listing)
+
+
+def _error(message: str, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
