@@ -11,6 +11,7 @@ IVENV := .venv-inference
 WORK := .work
 MODEL := $(WORK)/models/tiny-llama
 EVAL_MODEL := $(WORK)/models/eval-llama
+EVAL_ADAPTER := $(WORK)/models/eval-llama-reverse
 PROMETHEUS := $(WORK)/prometheus/usr/bin/prometheus
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # The two big installs skip pip's byte-compilation (--no-compile): it compiles all ~37,000 .py files
@@ -76,13 +77,19 @@ $(MODEL)/config.json: inference_images/vllm/make_model.py | $(IVENV)/.installed
 	@echo "setup: generating the default model in $(MODEL) (random weights, a locally trained tokenizer)"
 	$(IVENV)/bin/python inference_images/vllm/make_model.py $(MODEL) --preset tiny
 
-# The small model the eval suites score (trained on CPU, cached by a hash of script + config).
-# Only the nightly-eval tests use it: `make test` builds it, `make run` does not.
-eval-model: $(EVAL_MODEL)/train_key.txt
+# The small model the eval suites score (trained on CPU, cached by a hash of script + config), and
+# its LoRA adapter for the reverse_facts suite. Only the nightly-eval tests use them: `make test`
+# builds them, `make run` does not.
+eval-model: $(EVAL_MODEL)/train_key.txt $(EVAL_ADAPTER)/train_key.txt
 
 $(EVAL_MODEL)/train_key.txt: inference_images/vllm/train_eval_model.py plugins/aibrix_operators/evaluation/tasks.py | $(IVENV)/.installed
 	@echo "eval-model: training the nightly-eval model in $(EVAL_MODEL) (~400 CPU-seconds, once; cached by a hash of its script and config)"
 	$(IVENV)/bin/python inference_images/vllm/train_eval_model.py $(EVAL_MODEL)
+	touch $@
+
+$(EVAL_ADAPTER)/train_key.txt: $(EVAL_MODEL)/train_key.txt inference_images/vllm/train_eval_adapter.py plugins/aibrix_operators/evaluation/adapter_tasks.py | $(IVENV)/.installed
+	@echo "eval-model: training the eval model's LoRA adapter in $(EVAL_ADAPTER) (~120 CPU-seconds, once; cached like the model)"
+	$(IVENV)/bin/python inference_images/vllm/train_eval_adapter.py $(EVAL_MODEL) $(EVAL_ADAPTER)
 	touch $@
 
 # The two venvs are independent: installed side by side (pip from a warm cache is unpacking and

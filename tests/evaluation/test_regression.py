@@ -4,15 +4,19 @@
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from aibrix_operators.evaluation import steps
 from aibrix_operators.evaluation.history import Night, load_history, previous_night
 from aibrix_operators.evaluation.stats import bootstrap_ci, compare
 from aibrix_operators.evaluation.suites import Suite, SuiteConfigError, Thresholds, load_suites
+from aibrix_operators.operators.eval_tasks import regression_gate
 from aibrix_operators.storage import LocalStorage
 
 
@@ -139,4 +143,61 @@ def test_suite_config_errors(tmp_path):
     bad = tmp_path / "s.yaml"
     bad.write_text("suites:\n  x: {dataset: d.jsonl, scorer: exact, models: [m], colour: red}\n")
     with pytest.raises(SuiteConfigError, match="unknown keys"):
+        load_suites(bad)
+
+
+def _adapter_night(tmp_path: Path, suite: Suite, date: str, right: dict[str, int]) -> dict:
+    """A night of the model "m" and its adapter "m-lora": one batch, answers per model."""
+    storage = LocalStorage()
+    plan = steps.NightPlan(suite.name, date, "m", str(tmp_path / "root"))
+    rendered = steps.render(suite, plan, storage)
+    lines = [json.loads(x) for x in Path(rendered["input_uri"]).read_text().splitlines()]
+    assert [(r["custom_id"], r["body"]["model"]) for r in (lines[0], lines[100])] == [
+        ("m::i0", "m"), ("m-lora::i0", "m-lora")]
+    answers = [_answer(f"{model}::i{i}", f"The answer is {i + 1}." if i < right[model] else "7")
+               for model in ("m", "m-lora") for i in range(100)]
+    random.Random(date).shuffle(answers)  # answers come back in any order
+    (Path(plan.batch_output) / "output.jsonl").write_text("\n".join(answers) + "\n")
+    summary = steps.evaluate(suite, plan, storage, run_id=f"run-{date}")
+    written = steps.report(suite, plan, storage)
+    return {"summary": summary, "report": written, "prefix": Path(plan.prefix)}
+
+
+def test_adapter_beside_its_model_side_by_side_and_judged_alone(tmp_path):
+    suite = replace(_suite(addition_dataset(tmp_path)), adapters=("m-lora",))
+    first = _adapter_night(tmp_path, suite, "2026-11-01", {"m": 10, "m-lora": 95})
+    models = first["summary"]["models"]
+    assert models["m"]["interval"]["mean"] == pytest.approx(0.10)
+    assert models["m-lora"]["interval"]["mean"] == pytest.approx(0.95)
+    # The night's model keeps the summary's top-level fields, as without adapters.
+    assert first["summary"]["interval"] == models["m"]["interval"]
+    md = (first["prefix"] / "report.md").read_text()
+    assert "## The model and its adapters" in md
+    assert "| m-lora | adapter | 95.0% |" in md and "+85.0 pt (CIs apart)" in md
+    assert (first["prefix"] / "results.m-lora.jsonl").exists()
+
+    # The adapter gets worse, the model does not: a regression of the adapter alone.
+    second = _adapter_night(tmp_path, suite, "2026-11-02", {"m": 10, "m-lora": 60})
+    models = second["summary"]["models"]
+    assert second["summary"]["regression"]
+    assert not models["m"]["regression"] and models["m-lora"]["regression"]
+    assert {c["against"] for c in models["m-lora"]["comparisons"]} == {"previous", "baseline"}
+    assert "| m | model | 10.0% |" in (second["prefix"] / "report.md").read_text()
+    history = load_history(LocalStorage(), str(tmp_path / "root"), "arith")
+    assert [(n.date, n.model, n.regression) for n in history] == [
+        ("2026-11-01", "m", False), ("2026-11-01", "m-lora", False),
+        ("2026-11-02", "m", False), ("2026-11-02", "m-lora", True)]
+    # Each has its own baseline.
+    root = tmp_path / "root" / "eval" / "arith"
+    assert json.loads((root / "baseline.m-lora.json").read_text())["score"] == pytest.approx(0.95)
+    assert json.loads((root / "baseline.json").read_text())["score"] == pytest.approx(0.10)
+    with pytest.raises(AirflowFailException, match=r"of m-lora: m-lora: .*drop"):
+        regression_gate(second["summary"])
+    regression_gate(first["summary"])  # no regression: passes
+
+
+def test_suite_adapters_are_checked(tmp_path):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("suites:\n  x: {dataset: d.jsonl, scorer: exact, models: [m], adapters: [m]}\n")
+    with pytest.raises(SuiteConfigError, match="adapters must be a list of LoRA adapter names"):
         load_suites(bad)

@@ -101,6 +101,15 @@ def lora_env(env: dict[str, str], s3: S3Server, setup: dict) -> dict[str, str]:
             "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(setup["cache"])}
 
 
+def run_batch(env: dict[str, str], s3: S3Server, setup: dict, server: VLLMServer, batch: list[dict],
+              tmp_path: Path, **params: int) -> subprocess.CompletedProcess:
+    """batch_inference on ``batch`` under the deployment's adapter registry; output in tmp_path/out."""
+    return dags_test(lora_env(env, s3, setup), {
+        "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(tmp_path / "out"),
+        "endpoint": server.base_url, "model": SERVED_NAME, **params,
+    }, tmp_path / "logs")
+
+
 def answer(record: dict) -> str:
     return record["response"]["body"]["choices"][0]["message"]["content"]
 
@@ -124,11 +133,8 @@ def test_mixed_adapters_answered_by_their_adapters(
 ) -> None:
     batch = requests([SERVED_NAME, *ADAPTERS])
     out = tmp_path / "out"
-    proc = dags_test(lora_env(airflow_session_env, s3_server, lora_setup), {
-        "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(out),
-        "endpoint": runtime_server.base_url, "model": SERVED_NAME, "requests_per_shard": 4,
-        "concurrency": 1,
-    }, tmp_path / "logs")
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server, batch, tmp_path,
+                     requests_per_shard=4, concurrency=1)
     assert proc.returncode == 0, proc.stdout[-5000:]
     output = read_jsonl((out / "output.jsonl").read_text())
     assert (out / "errors.jsonl").read_text() == ""
@@ -167,11 +173,8 @@ def test_corrupted_adapter_fails_its_shard_by_name(
 ) -> None:
     batch = requests([SERVED_NAME, "a1", "broken"], seed=6)
     out = tmp_path / "out"
-    proc = dags_test(lora_env(airflow_session_env, s3_server, lora_setup), {
-        "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(out),
-        "endpoint": runtime_server.base_url, "model": SERVED_NAME, "requests_per_shard": 6,
-        "concurrency": 2,
-    }, tmp_path / "logs")
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server, batch, tmp_path,
+                     requests_per_shard=6, concurrency=2)
     assert proc.returncode != 0
     record = json.loads((out / "batch.json").read_text())
     assert record["status"] == "failed"

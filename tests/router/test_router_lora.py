@@ -43,7 +43,7 @@ async def test_a_failed_instance_fails_the_load_and_serves_no_adapter_request(ma
     router = await make_router([], [d1, d2])
     status, body = await router.post(LOAD, "/v1/load_lora_adapter")
     assert status == 502
-    assert body["error"]["code"] == "adapter_load_failed"
+    assert body["error"]["code"] == "lora_load_failed"
     message = body["error"]["message"]
     assert "1 of 2 instance(s)" in message and "out of LoRA slots" in message
     # Not every instance holds it: /v1/models does not say it is loaded (so a caller loads again).

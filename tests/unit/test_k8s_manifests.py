@@ -464,15 +464,20 @@ def test_every_vllm_pod_fetches_its_model_before_vllm_starts(overlay: str) -> No
         assert fetch["resources"]["limits"]["memory"] == fetch["resources"]["requests"]["memory"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_model_from_pvc_component_mounts_the_volume_instead(overlay: str, tmp_path: Path) -> None:
+def render_with_component(overlay: str, component: str, tmp_path: Path) -> tuple[dict[str, Any], ...]:
+    """The overlay with one of k8s/components added, as a deployer's kustomization would."""
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         # Relative: kustomize refuses absolute paths to kustomizations.
         "resources": [os.path.relpath(K8S / "overlays" / overlay, tmp_path)],
-        "components": [os.path.relpath(K8S / "components" / "model-from-pvc", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / component, tmp_path)],
     }))  # fmt: skip
-    docs = render_dir(tmp_path)
+    return render_dir(tmp_path)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_from_pvc_component_mounts_the_volume_instead(overlay: str, tmp_path: Path) -> None:
+    docs = render_with_component(overlay, "model-from-pvc", tmp_path)
     validate_all(overlay, docs, "1.33")
     for t in vllm_templates(overlay, docs):
         assert "initContainers" not in t["spec"]
@@ -488,3 +493,24 @@ def test_model_from_pvc_component_mounts_the_volume_instead(overlay: str, tmp_pa
         return json.dumps(d, sort_keys=True)
 
     assert sorted(map(strip, docs)) == sorted(map(strip, render(overlay)))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_lora_runtime_component_enables_runtime_adapters_from_the_shared_cache(
+    overlay: str, tmp_path: Path
+) -> None:
+    docs = render_with_component(overlay, "lora-runtime", tmp_path)
+    validate_all(overlay, docs, "1.33")
+    [pvc] = [d for d in docs
+             if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "lora-cache"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for t in vllm_templates(overlay, docs):
+        [vllm] = [c for c in t["spec"]["containers"] if c["name"] == "vllm"]
+        assert {"--enable-lora", "--max-lora-rank=16", "--max-loras=4"} <= set(vllm["args"])
+        env = {e["name"]: e.get("value") for e in vllm["env"]}
+        assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+        mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+        assert mounts["lora-cache"] == {"name": "lora-cache", "mountPath": "/var/lib/aibrix/lora",
+                                        "readOnly": True}
+        volumes = {v["name"]: v for v in t["spec"]["volumes"]}
+        assert volumes["lora-cache"]["persistentVolumeClaim"] == {"claimName": "lora-cache", "readOnly": True}

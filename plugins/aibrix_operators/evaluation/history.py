@@ -66,14 +66,22 @@ def previous_night(nights: list[Night], date: str, model: str) -> Night | None:
     return earlier[-1] if earlier else None
 
 
-def load_baseline(storage: Storage, root: str, suite: str) -> dict[str, Any] | None:
-    uri = join_uri(suite_prefix(root, suite), "baseline.json")
+def _baseline_uri(root: str, suite: str, adapter: str | None) -> str:
+    # The night's model keeps baseline.json; each LoRA adapter evaluated beside it has its own.
+    name = f"baseline.{adapter}.json" if adapter else "baseline.json"
+    return join_uri(suite_prefix(root, suite), name)
+
+
+def load_baseline(
+    storage: Storage, root: str, suite: str, adapter: str | None = None
+) -> dict[str, Any] | None:
+    uri = _baseline_uri(root, suite, adapter)
     return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None
 
 
-def save_baseline(storage: Storage, root: str, suite: str, night: Night) -> dict[str, Any]:
+def save_baseline(storage: Storage, root: str, suite: str, night: Night, adapter: str | None = None
+                  ) -> dict[str, Any]:
     baseline = {"score": night.score, "date": night.date, "model": night.model,
                 "source": "first successful night"}
-    storage.write_bytes(join_uri(suite_prefix(root, suite), "baseline.json"),
-                        json.dumps(baseline, indent=2).encode())
+    storage.write_bytes(_baseline_uri(root, suite, adapter), json.dumps(baseline, indent=2).encode())
     return baseline

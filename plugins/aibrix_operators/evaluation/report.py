@@ -27,10 +27,49 @@ class ReportData:
     failed_requests: int = 0
     max_drop: float = 0.0
     min_score: float | None = None
+    # The night's model and the LoRA adapters evaluated beside it, when the suite has adapters.
+    models: list[ModelRow] = field(default_factory=list)
+
+    @property
+    def regression(self) -> bool:
+        return any(c.regression for c in self.comparisons) or any(m.regression for m in self.models)
+
+
+@dataclass
+class ModelRow:
+    """One model of a night with adapters: the side-by-side table's row."""
+
+    model: str
+    interval: Interval
+    comparisons: list[Comparison]
+    adapter: bool
 
     @property
     def regression(self) -> bool:
         return any(c.regression for c in self.comparisons)
+
+
+def side_by_side(data: ReportData) -> list[dict[str, str]]:
+    """Rows of the base-vs-adapters table: score and CI, the gain over the night's model and
+    whether the two CIs are apart, and each model's own verdict."""
+    if len(data.models) < 2:
+        return []
+    base = data.models[0].interval
+    rows = []
+    for m in data.models:
+        iv = m.interval
+        apart = iv.low > base.high or iv.high < base.low
+        gain = "—" if not m.adapter else (f"{(iv.mean - base.mean) * 100:+.1f} pt "
+                                          f"({'CIs apart' if apart else 'CIs overlap'})")
+        vs = ", ".join(f"{c.against} {_delta(c)}" for c in m.comparisons) or "first night"
+        rows.append({"model": m.model, "role": "adapter" if m.adapter else "model",
+                     "score": _pct(iv.mean), "ci": f"[{_pct(iv.low)}, {_pct(iv.high)}]", "gain": gain,
+                     "vs": vs, "verdict": "REGRESSION" if m.regression else "ok"})
+    return rows
+
+
+_SIDE_COLUMNS = ("model", "role", "score", "ci", "gain", "vs", "verdict")
+_SIDE_HEADERS = ("model", "role", "score", "CI", "vs the model", "vs its own past", "verdict")
 
 
 def regressed_items(tonight: list[ItemResult], previous: list[dict[str, Any]], limit: int = 20
@@ -106,6 +145,11 @@ def render_markdown(data: ReportData) -> str:
         lines.append(f"| {_pct(iv.mean)} | [{_pct(iv.low)}, {_pct(iv.high)}] | {c.against} "
                      f"({c.reference_date or '—'}) | {_pct(c.reference_score)} | {_delta(c)} | "
                      f"{'**yes**' if c.regression else 'no'} | {c.reason} |")
+    side = side_by_side(data)
+    if side:
+        lines += ["", "## The model and its adapters", "", "| " + " | ".join(_SIDE_HEADERS) + " |",
+                  "|" + "---|" * len(_SIDE_HEADERS)]
+        lines += ["| " + " | ".join(row[k] for k in _SIDE_COLUMNS) + " |" for row in side]
     lines += ["", f"Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also "
               f"outside tonight's confidence interval. {_floor_note(data)}".rstrip(), ""]
     if data.regressed_items:
@@ -145,6 +189,14 @@ def render_html(data: ReportData, png: bytes) -> str:
         for it in data.regressed_items)
     items_html = (f"<h2>Top regressed items</h2><table><tr><th>id</th><th>reference</th><th>before</th>"
                   f"<th>now</th></tr>{items}</table>") if items else ""
+    side = side_by_side(data)
+    side_html = ""
+    if side:
+        head = "".join(f"<th>{h}</th>" for h in _SIDE_HEADERS)
+        body = "".join(
+            f"<tr class='{'bad' if row['verdict'] != 'ok' else ''}'>"
+            + "".join(f"<td>{_h(row[k])}</td>" for k in _SIDE_COLUMNS) + "</tr>" for row in side)
+        side_html = f"<h2>The model and its adapters</h2><table><tr>{head}</tr>{body}</table>"
     img = base64.b64encode(png).decode()
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Eval {_h(data.suite)} {_h(data.date)}</title>
@@ -160,6 +212,7 @@ th{{background:#f3f3f3}}tr.bad td{{background:#fde2e2}}tr.up td{{background:#e6f
 {data.failed_requests} without an answer. Verdict: <span class="verdict v-{verdict}">{verdict}</span></p>
 <table><tr><th>score</th><th>{iv.confidence:.0%} CI</th><th>vs</th><th>reference</th><th>delta</th>
 <th>regression</th><th>why</th></tr>{''.join(rows)}</table>
+{side_html}
 <p>Regression rule: a drop of more than {data.max_drop * 100:.1f} pt that is also outside tonight's
 confidence interval. {_h(_floor_note(data))}</p>
 <h2>Trend</h2><img alt="score trend" src="data:image/png;base64,{img}">

@@ -25,6 +25,7 @@ from aibrix_operators.evaluation.history import (
     save_history,
 )
 from aibrix_operators.evaluation.report import (
+    ModelRow,
     ReportData,
     regressed_items,
     render_html,
@@ -33,7 +34,7 @@ from aibrix_operators.evaluation.report import (
 )
 from aibrix_operators.evaluation.scoring import headline, results_jsonl, score_items
 from aibrix_operators.evaluation.stats import Comparison, Interval, compare
-from aibrix_operators.evaluation.suites import Suite, read_dataset, render_batch
+from aibrix_operators.evaluation.suites import Suite, night_models, read_dataset, render_batch, split_by_model
 from aibrix_operators.storage import Storage, join_uri, storage_for
 
 
@@ -75,16 +76,15 @@ def render(suite: Suite, plan: NightPlan, storage: Storage) -> dict[str, Any]:
     return {**plan.as_dict(), "items": len(items)}
 
 
-def evaluate(suite: Suite, plan: NightPlan, storage: Storage, run_id: str = "") -> dict[str, Any]:
-    items = _dataset(suite, storage)
-    out = storage.read_bytes(join_uri(plan.batch_output, "output.jsonl")).decode().splitlines()
-    errs_uri = join_uri(plan.batch_output, "errors.jsonl")
-    errs = storage.read_bytes(errs_uri).decode().splitlines() if storage.exists(errs_uri) else []
+def _judge(suite: Suite, plan: NightPlan, storage: Storage, model: str, items: list[dict[str, Any]],
+           out: list[str], errs: list[str], history: list[Night], run_id: str
+           ) -> tuple[dict[str, Any], Night, bytes]:
+    """One model's night: its score and CI, compared with its own previous night and baseline."""
+    adapter = model if model != plan.model else None
     results = score_items(suite, items, out, errs)
     interval = headline(results, suite.confidence)
-    history = load_history(storage, plan.root, suite.name)
-    prev = previous_night(history, plan.date, plan.model)
-    baseline = load_baseline(storage, plan.root, suite.name)
+    prev = previous_night(history, plan.date, model)
+    baseline = load_baseline(storage, plan.root, suite.name, adapter)
     max_drop = suite.thresholds.max_drop
     comparisons = [c for c in (
         compare(interval, prev.score if prev else None, against="previous", max_drop=max_drop,
@@ -93,24 +93,53 @@ def evaluate(suite: Suite, plan: NightPlan, storage: Storage, run_id: str = "") 
                 max_drop=max_drop, reference_date=baseline.get("date") if baseline else None),
     ) if c is not None]
     regression = any(c.regression for c in comparisons)
-    tonight = Night(plan.date, plan.model, interval.mean, interval.low, interval.high, interval.n,
-                    run_id, regression)
-    storage.write_bytes(join_uri(plan.prefix, "results.jsonl"), results_jsonl(results))
+    night = Night(plan.date, model, interval.mean, interval.low, interval.high, interval.n, run_id,
+                  regression)
+    if baseline is None:
+        save_baseline(storage, plan.root, suite.name, night, adapter)
+    judged = {"interval": interval.as_dict(), "comparisons": [c.as_dict() for c in comparisons],
+              "regression": regression, "failed_requests": sum(r.error is not None for r in results),
+              "previous_date": prev.date if prev else None}
+    return judged, night, results_jsonl(results)
+
+
+def results_uri(plan: NightPlan, model: str) -> str:
+    """Per-item results of the night's model, or of one of its adapters."""
+    return join_uri(plan.prefix, "results.jsonl" if model == plan.model else f"results.{model}.jsonl")
+
+
+def evaluate(suite: Suite, plan: NightPlan, storage: Storage, run_id: str = "") -> dict[str, Any]:
+    items = _dataset(suite, storage)
+    out = storage.read_bytes(join_uri(plan.batch_output, "output.jsonl")).decode().splitlines()
+    errs_uri = join_uri(plan.batch_output, "errors.jsonl")
+    errs = storage.read_bytes(errs_uri).decode().splitlines() if storage.exists(errs_uri) else []
+    models = night_models(suite, plan.model)
+    outs, failed = split_by_model(out, models), split_by_model(errs, models)
+    history = load_history(storage, plan.root, suite.name)
+    per_model: dict[str, dict[str, Any]] = {}
+    for model in models:
+        judged, night, results = _judge(suite, plan, storage, model, items, outs[model], failed[model],
+                                        history, run_id)
+        storage.write_bytes(results_uri(plan, model), results)
+        history = save_history(storage, plan.root, suite.name, history, night)
+        registry = eval_metrics.night_registry(suite.name, model, night, history, time.time())
+        if model == plan.model:
+            storage.write_bytes(join_uri(plan.prefix, "metrics.prom"), eval_metrics.exposition(registry))
+        judged["metrics_pushed"] = eval_metrics.push_night(registry, suite.name, model)
+        per_model[model] = judged
+    primary = per_model[plan.model]
     summary = {
         "suite": suite.name, "date": plan.date, "model": plan.model, "scorer": suite.scorer,
-        "interval": interval.as_dict(), "comparisons": [c.as_dict() for c in comparisons],
-        "regression": regression, "failed_requests": sum(r.error is not None for r in results),
-        "previous_date": prev.date if prev else None, "run_id": run_id,
+        **{k: primary[k] for k in ("interval", "comparisons", "failed_requests", "previous_date")},
+        # The night is red if any model regressed; "models" says which one.
+        "regression": any(j["regression"] for j in per_model.values()),
+        "run_id": run_id,
         "thresholds": {"max_drop": suite.thresholds.max_drop, "min_score": suite.thresholds.min_score},
-        "evaluated_at": int(time.time()),
+        "evaluated_at": int(time.time()), "metrics_pushed": primary["metrics_pushed"],
     }
+    if len(models) > 1:
+        summary["models"] = per_model
     storage.write_bytes(join_uri(plan.prefix, "summary.json"), json.dumps(summary, indent=2).encode())
-    updated = save_history(storage, plan.root, suite.name, history, tonight)
-    registry = eval_metrics.night_registry(suite.name, plan.model, tonight, updated, time.time())
-    storage.write_bytes(join_uri(plan.prefix, "metrics.prom"), eval_metrics.exposition(registry))
-    summary["metrics_pushed"] = eval_metrics.push_night(registry, suite.name, plan.model)
-    if baseline is None:
-        save_baseline(storage, plan.root, suite.name, tonight)
     return summary
 
 
@@ -134,6 +163,9 @@ def report(suite: Suite, plan: NightPlan, storage: Storage) -> dict[str, Any]:
         regressed_items=regressed_items(tonight, previous),
         failed_requests=summary["failed_requests"], max_drop=suite.thresholds.max_drop,
         min_score=suite.thresholds.min_score,
+        models=[ModelRow(model, Interval(**judged["interval"]),
+                         [Comparison(**c) for c in judged["comparisons"]], model != plan.model)
+                for model, judged in (summary.get("models") or {}).items()],
     )
     png = trend_png(data.history)
     storage.write_bytes(join_uri(plan.prefix, "trend.png"), png)

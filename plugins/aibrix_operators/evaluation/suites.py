@@ -44,6 +44,9 @@ class Suite:
     schedule: str = DEFAULT_SCHEDULE
     confidence: float = 0.95
     description: str = ""
+    # LoRA adapters of the night's model, evaluated beside it in the same batch (docs/lora.md):
+    # the report shows them side by side, and each has its own history, baseline and gate.
+    adapters: tuple[str, ...] = ()
 
     def dataset_path(self) -> str:
         """Relative dataset paths are relative to the repository (s3:// URIs pass through)."""
@@ -58,7 +61,8 @@ class Suite:
                 "scorer_options": self.scorer_options,
                 "thresholds": {"max_drop": self.thresholds.max_drop,
                                "min_score": self.thresholds.min_score},
-                "schedule": self.schedule, "confidence": self.confidence}
+                "schedule": self.schedule, "confidence": self.confidence,
+                "adapters": list(self.adapters)}
 
 
 class SuiteConfigError(ValueError):
@@ -83,7 +87,13 @@ def load_suites(path: Path | str = DEFAULT_CONFIG) -> dict[str, Suite]:
             if required not in merged:
                 raise SuiteConfigError(f"suite {name}: missing {required}")
         thresholds = Thresholds(**(merged.pop("thresholds", None) or {}))
-        suites[name] = Suite(name=name, models=tuple(models), thresholds=thresholds, **merged)
+        adapters = merged.pop("adapters", None) or []
+        if not (isinstance(adapters, list) and all(isinstance(a, str) and a for a in adapters)) \
+                or set(adapters) & set(models):
+            raise SuiteConfigError(f"suite {name}: adapters must be a list of LoRA adapter names, "
+                                   "none of them one of its models")
+        suites[name] = Suite(name=name, models=tuple(models), thresholds=thresholds,
+                             adapters=tuple(adapters), **merged)
     return suites
 
 
@@ -109,9 +119,40 @@ def render_messages(suite: Suite, item: dict[str, Any]) -> list[dict[str, str]]:
     return messages
 
 
+# A night with adapters asks every item of every model in one batch; custom_id is then
+# "<model>::<item id>" (split_by_model takes the answers apart again).
+MODEL_SEPARATOR = "::"
+
+
+def night_models(suite: Suite, model: str) -> tuple[str, ...]:
+    """The models a night evaluates: the night's model, then the suite's adapters of it."""
+    return (model, *suite.adapters)
+
+
 def render_batch(suite: Suite, items: Iterable[dict[str, Any]], model: str) -> Iterator[str]:
-    """One chat-completions request per item; custom_id is the item's id, so answers map back."""
-    for item in items:
-        body = {"model": model, "messages": render_messages(suite, item), **suite.sampling}
-        yield json.dumps({"custom_id": str(item["id"]), "method": "POST",
-                          "url": "/v1/chat/completions", "body": body}) + "\n"
+    """One chat-completions request per item and model; custom_id is the item's id (prefixed with
+    the model when the suite has adapters), so answers map back."""
+    items = list(items)
+    models = night_models(suite, model)
+    for name in models:
+        for item in items:
+            body = {"model": name, "messages": render_messages(suite, item), **suite.sampling}
+            cid = f"{name}{MODEL_SEPARATOR}{item['id']}" if len(models) > 1 else str(item["id"])
+            yield json.dumps({"custom_id": cid, "method": "POST",
+                              "url": "/v1/chat/completions", "body": body}) + "\n"
+
+
+def split_by_model(lines: list[str], models: tuple[str, ...]) -> dict[str, list[str]]:
+    """Output or error lines per model, custom_id back to the item's id (one model: as they are)."""
+    if len(models) == 1:
+        return {models[0]: lines}
+    per: dict[str, list[str]] = {m: [] for m in models}
+    for line in lines:
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        model, _, item_id = str(record.get("custom_id", "")).partition(MODEL_SEPARATOR)
+        if model in per:
+            record["custom_id"] = item_id
+            per[model].append(json.dumps(record))
+    return per

@@ -55,8 +55,12 @@ def evaluate_night(suite_name: str, plan: dict[str, Any]) -> dict[str, Any]:
     iv = summary["interval"]
     log.info("suite %s: score %.4f [%.4f, %.4f] over %d items", suite.name, iv["mean"], iv["low"],
              iv["high"], iv["n"])
-    for c in summary["comparisons"]:
-        log.info("vs %s (%s): %+.4f — %s", c["against"], c["reference_date"], c["delta"], c["reason"])
+    for model, judged in (summary.get("models") or {summary["model"]: summary}).items():
+        iv = judged["interval"]
+        log.info("%s: score %.4f [%.4f, %.4f]", model, iv["mean"], iv["low"], iv["high"])
+        for c in judged["comparisons"]:
+            log.info("%s vs %s (%s): %+.4f — %s", model, c["against"], c["reference_date"], c["delta"],
+                     c["reason"])
     return summary
 
 
@@ -68,10 +72,14 @@ def report_night(suite_name: str, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def regression_gate(summary: dict[str, Any]) -> None:
-    """Red in the UI when the night regressed; runs after the report, so the report exists."""
-    bad = [c for c in summary["comparisons"] if c["regression"]]
+    """Red in the UI when the night regressed; runs after the report, so the report exists. With
+    adapters evaluated beside the model, the message names each model that regressed, alone."""
+    per_model = summary.get("models") or {summary["model"]: summary}
+    bad = {model: [c["reason"] for c in judged["comparisons"] if c["regression"]]
+           for model, judged in per_model.items()}
+    bad = {model: reasons for model, reasons in bad.items() if reasons}
     if bad:
-        reasons = "; ".join(c["reason"] for c in bad)
-        raise AirflowFailException(f"eval regression in suite {summary['suite']} ({summary['model']}, "
-                                   f"{summary['date']}): {reasons}")
-    log.info("no regression in suite %s", summary["suite"])
+        said = "; ".join(f"{model}: {', '.join(reasons)}" for model, reasons in bad.items())
+        raise AirflowFailException(f"eval regression in suite {summary['suite']} ({summary['date']}) "
+                                   f"of {', '.join(bad)}: {said}")
+    log.info("no regression in suite %s (%s)", summary["suite"], ", ".join(per_model))

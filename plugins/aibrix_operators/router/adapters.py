@@ -96,7 +96,7 @@ class RouterAdapters:
         failed = [o.detail for o in outcomes if not o.ok]
         if failed:
             return 502, _error(f"LoRA adapter {name!r} did not load on {len(failed)} of {len(healthy)} "
-                               f"instance(s): {'; '.join(failed)}", "adapter_load_failed")
+                               f"instance(s): {'; '.join(failed)}", "lora_load_failed")
         return 200, {"loaded": name, "instances": len(healthy)}
 
     def filter_models(self, payload: bytes, backends: list[Backend]) -> bytes:
