@@ -76,6 +76,11 @@ def test_request_rules():
     assert route_for(settings, "b")[1].dag_params() == {"inference_conn_id": "vllm", "endpoint": ""}
     with pytest.raises(ApiError, match="a, b"):
         route_for(settings, "gpt-4o")
+    # A LoRA adapter of the registry goes where its base goes; the batch's model is the base.
+    model, route = route_for(settings, "b-sql-lora", {"b-sql-lora": "b", "x-lora": "x"})
+    assert (model, route.dag_params()) == ("b", {"inference_conn_id": "vllm", "endpoint": ""})
+    with pytest.raises(ApiError, match="'x-lora' is not served here"):
+        route_for(settings, "x-lora", {"x-lora": "x"})  # its base is not on offer
 
 
 def _snap(run_state="running", **tasks) -> RunSnapshot:

@@ -53,6 +53,8 @@ from aibrix_operators.batch_api.settings import ApiSettings
 from aibrix_operators.batch_api.status import batch_object
 from aibrix_operators.batch_api.tenant_salt import salt_claim
 from aibrix_operators.batch_api.upload import receive_upload
+from aibrix_operators.lora.registry import AdapterRegistryError
+from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,15 @@ class ApiContext:
                 self._ring_at = time.monotonic()
             return self._ring
 
+
+
+def _adapter_bases() -> dict[str, str]:
+    """The deployment's LoRA adapters (name -> base model); a broken registry counts as none here,
+    and the batch's validation then fails with invalid_adapter_registry, naming the entry."""
+    try:
+        return load_adapter_registry().bases()
+    except AdapterRegistryError:
+        return {}
 
 def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
     app = FastAPI(title="AIBrix-on-Airflow OpenAI Batch API", version="1",
@@ -219,7 +230,8 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         if stored.purpose != "batch":
             raise bad_request(f"file {file_id} has purpose {stored.purpose!r}, not 'batch'",
                               "input_file_id", "invalid_input_file")
-        model, route = route_for(ctx.settings, first_line_model(ctx.storage, stored.content_uri))
+        model, route = route_for(ctx.settings, first_line_model(ctx.storage, stored.content_uri),
+                                 _adapter_bases())
         digest = request_digest(body.model_dump())
         batch_id = new_batch_id(tenant, idempotency_key)
         run_id = run_id_for(tenant, batch_id)

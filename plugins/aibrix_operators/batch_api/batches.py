@@ -94,8 +94,15 @@ def first_line_model(storage: Storage, uri: str) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def route_for(settings: ApiSettings, model: str | None) -> tuple[str | None, ModelRoute]:
-    """The route of ``model``; 400 naming the models on offer if it is not one of them."""
+def route_for(
+    settings: ApiSettings, model: str | None, adapter_bases: dict[str, str] | None = None
+) -> tuple[str | None, ModelRoute]:
+    """The route of ``model``; 400 naming the models on offer if it is not one of them. A LoRA
+    adapter of the deployment's registry (``adapter_bases``: name -> base) goes where its base
+    goes, and the batch's model is the base (docs/lora.md: one base model per batch)."""
+    base = (adapter_bases or {}).get(model) if model is not None else None
+    if base is not None and model not in settings.models and base in settings.models:
+        model = base
     offered = sorted(settings.models)
     if not offered:
         raise bad_request("this deployment serves no models (api_models is empty)", "model",
