@@ -23,6 +23,8 @@ LONGEST_FIRST = (
     "integration/test_dag_local.py",
     "integration/test_scheduler_loss.py",
     "integration/test_embeddings.py",
+    "integration/test_lora_dag.py",
+    "integration/test_nightly_eval_adapter.py",
     "integration/test_dag_kubernetes_scaling.py",
     "images/test_vllm_cpu_image.py",
     "integration/test_s3_dropzone.py",
