@@ -14,6 +14,7 @@ import hashlib
 import json
 import random
 import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.local_airflow import wait_until
+from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec, free_port
 from aibrix_operators.serving.model_manifest import MANIFEST_NAME, write_manifest
 from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
 from tests.integration.services import S3Server
@@ -101,12 +103,12 @@ def lora_env(env: dict[str, str], s3: S3Server, setup: dict) -> dict[str, str]:
             "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(setup["cache"])}
 
 
-def run_batch(env: dict[str, str], s3: S3Server, setup: dict, server: VLLMServer, batch: list[dict],
+def run_batch(env: dict[str, str], s3: S3Server, setup: dict, endpoint: str, batch: list[dict],
               tmp_path: Path, **params: int) -> subprocess.CompletedProcess:
     """batch_inference on ``batch`` under the deployment's adapter registry; output in tmp_path/out."""
     return dags_test(lora_env(env, s3, setup), {
         "input_uri": str(write_jsonl(tmp_path / "input.jsonl", batch)), "output_uri": str(tmp_path / "out"),
-        "endpoint": server.base_url, "model": SERVED_NAME, **params,
+        "endpoint": endpoint, "model": SERVED_NAME, **params,
     }, tmp_path / "logs")
 
 
@@ -133,7 +135,7 @@ def test_mixed_adapters_answered_by_their_adapters(
 ) -> None:
     batch = requests([SERVED_NAME, *ADAPTERS])
     out = tmp_path / "out"
-    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server, batch, tmp_path,
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server.base_url, batch, tmp_path,
                      requests_per_shard=4, concurrency=1)
     assert proc.returncode == 0, proc.stdout[-5000:]
     output = read_jsonl((out / "output.jsonl").read_text())
@@ -173,7 +175,7 @@ def test_corrupted_adapter_fails_its_shard_by_name(
 ) -> None:
     batch = requests([SERVED_NAME, "a1", "broken"], seed=6)
     out = tmp_path / "out"
-    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server, batch, tmp_path,
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, runtime_server.base_url, batch, tmp_path,
                      requests_per_shard=6, concurrency=2)
     assert proc.returncode != 0
     record = json.loads((out / "batch.json").read_text())
@@ -189,3 +191,50 @@ def test_corrupted_adapter_fails_its_shard_by_name(
     answered = {json.loads(line)["custom_id"] for f in segments
                 for line in f.read_text().splitlines() if line.strip()}
     assert answered == {r["custom_id"] for r in batch if r["body"]["model"] != "broken"}
+
+
+@pytest.fixture(scope="module")
+def router_over_two(tiny_model: Path, runtime_server: VLLMServer) -> Iterator[tuple[str, str]]:
+    """The P/D router with two decode instances: the module's server and a second, fresh one."""
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
+                          extra_args=LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    with VLLMServer(spec) as second:
+        port = free_port()
+        log = open(REPO_ROOT / ".work" / f"router-{port}.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1", "--port", str(port),
+             "--decode", runtime_server.base_url, "--decode", second.base_url,
+             "--health-interval-s", "0.5", "--shutdown-timeout-s", "2"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: urllib.request.urlopen(url + "/health", timeout=2).status == 200, 30,
+                       "the router", proc, Path(log.name))
+            yield url, second.base_url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            log.close()
+
+
+def served_adapters(base_url: str) -> dict[str, str]:
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as resp:
+        return {c["id"]: c.get("root") for c in json.loads(resp.read())["data"]}
+
+
+def test_through_the_router_every_instance_gets_the_adapters(
+    airflow_session_env: dict[str, str], s3_server: S3Server, lora_setup: dict,
+    runtime_server: VLLMServer, router_over_two: tuple[str, str], tmp_path: Path,
+) -> None:
+    router, second = router_over_two
+    batch = requests([SERVED_NAME, "a1", "a2"], seed=7)
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, router, batch, tmp_path,
+                     requests_per_shard=6, concurrency=4)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    output = read_jsonl((tmp_path / "out" / "output.jsonl").read_text())
+    assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in batch]
+    # The load reached both instances (the fresh one had neither adapter), from the same folders.
+    first, fresh = served_adapters(runtime_server.base_url), served_adapters(second)
+    for name in ("a1", "a2"):
+        assert fresh[name] == first[name] and str(lora_setup["cache"] / name) in fresh[name]

@@ -38,6 +38,10 @@ class AdapterLoadFailed(Exception):
     """The adapter could not be made present on the server; the shard cannot run."""
 
 
+class AdapterServerUnreachable(Exception):
+    """The server did not answer the load: an outage, which a retry of the task may outlast."""
+
+
 def adapter_dir(cache_dir: Path, adapter: Adapter) -> Path:
     return cache_dir / adapter.name / adapter.version
 
@@ -74,6 +78,16 @@ async def load_on_server(
     base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path, timeout_s: float = 300.0
 ) -> bool:
     """Load ``folder`` as ``adapter.name`` on the server; False when it already served that folder."""
+    try:
+        return await _load(base_url, headers, adapter, folder, timeout_s)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise AdapterServerUnreachable(
+            f"LoRA adapter {adapter.name!r}: cannot reach {base_url} to load it "
+            f"({type(exc).__name__}: {exc}); the task's retry loads it again") from exc
+
+
+async def _load(base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path,
+                timeout_s: float) -> bool:
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         current = await _loaded_from(session, base_url, adapter.name)
@@ -102,11 +116,7 @@ async def ensure_adapter(
 ) -> Path:
     """Fetch, verify and load ``adapter`` on the server at ``base_url``; its folder."""
     folder = await asyncio.to_thread(fetch_adapter, adapter, cache_dir, s3_client)
-    try:
-        loaded = await load_on_server(base_url, headers, adapter, folder)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise AdapterLoadFailed(f"LoRA adapter {adapter.name!r}: cannot reach {base_url} to load it "
-                                f"({type(exc).__name__}: {exc})") from exc
+    loaded = await load_on_server(base_url, headers, adapter, folder)
     log.info("LoRA adapter %s %s on %s", adapter.name, "loaded" if loaded else "already served",
              base_url)
     return folder

@@ -239,7 +239,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
                     raise AirflowFailException(str(exc)) from exc
                 prepare_adapter(adapter_shard, DriverConfig(
                     endpoint=target.endpoint, api_key_env=None, api_key=target.api_key,
-                    api_key_origin=target.api_key_origin))
+                    api_key_origin=target.api_key_origin), float(self.endpoint_wait_s))
             # Defers (raises TaskDeferred) unless a reattached pod has already finished.
             event = self._kubernetes().start(context, request)
             assert event is not None
@@ -262,7 +262,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             )
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
-        prepare_adapter(shard, config)
+        prepare_adapter(shard, config, float(self.endpoint_wait_s))
         storage = self.hook.storage_for(shard.uri)
         work = work_prefix(batch.output_uri, context["run_id"])
         executor = executor_for(self.execution_mode, float(self.endpoint_wait_s))
@@ -352,14 +352,22 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         )
 
 
-def prepare_adapter(shard: ShardSpec, config: DriverConfig) -> None:
-    """The shard's LoRA adapter fetched, verified and loaded on its server (lora/serving.py);
-    a failure fails the task with the adapter's name (retrying cannot fix a wrong digest)."""
+def prepare_adapter(shard: ShardSpec, config: DriverConfig, endpoint_wait_s: float) -> None:
+    """The shard's LoRA adapter fetched, verified and loaded on its server (lora/serving.py).
+
+    The server is waited for as the driver's preflight waits (``endpoint_wait_s``); a server that
+    stays away is an outage (``endpoint_unavailable``, retried like one), while a bad adapter
+    fails the task with the adapter's name (a retry cannot fix a wrong digest)."""
     if not shard.adapter:
         return
+
+    async def ready_then_load() -> None:
+        await check_endpoint(config, None, endpoint_wait_s)
+        await ensure_adapter(config.base_url, config.headers(), adapter, adapter_cache_dir())
+
     try:
         adapter = load_adapter_registry().get(shard.adapter)
-        asyncio.run(ensure_adapter(config.base_url, config.headers(), adapter, adapter_cache_dir()))
+        asyncio.run(ready_then_load())
     except (AdapterLoadFailed, AdapterRegistryError) as exc:
         raise AirflowFailException(f"{shard.name}: {exc}") from exc
 

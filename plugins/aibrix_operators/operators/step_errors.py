@@ -31,6 +31,7 @@ _CODES = {
     "ShardChanged": BatchFailure.INPUT_CHANGED,
     "TrustViolation": BatchFailure.REFUSED_BY_POLICY,
     "AdapterLoadFailed": BatchFailure.ADAPTER_LOAD_FAILED,
+    "AdapterServerUnreachable": BatchFailure.ENDPOINT_UNAVAILABLE,
     "AdapterRegistryError": BatchFailure.INVALID_ADAPTER_REGISTRY,
 }
 
