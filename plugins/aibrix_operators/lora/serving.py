@@ -11,8 +11,9 @@
 
 A changed adapter has a new manifest digest, so it loads from a new folder; vLLM then replaces
 the old weights under the name (``load_inplace``) and never mixes the two (vLLM's advice:
-"load changed weights from a new path"). Any failure raises ``AdapterLoadFailed``, whose
-message names the adapter and what to do.
+"load changed weights from a new path"). A bad adapter or a server that refuses it raises
+``AdapterLoadFailed``, a server that does not answer ``AdapterServerUnreachable`` (an outage);
+both messages name the adapter and what to do.
 """
 
 from __future__ import annotations

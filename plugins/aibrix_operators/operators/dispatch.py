@@ -231,15 +231,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     def _dispatch(self, context: Context) -> dict[str, Any]:
         if self.execution_mode == "kubernetes":
             request = self._pod_request(context)
-            adapter_shard = ShardSpec.from_dict(self.shard)
-            if adapter_shard.adapter:
-                try:
-                    target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
-                except TrustViolation as exc:
-                    raise AirflowFailException(str(exc)) from exc
-                prepare_adapter(adapter_shard, DriverConfig(
-                    endpoint=target.endpoint, api_key_env=None, api_key=target.api_key,
-                    api_key_origin=target.api_key_origin), float(self.endpoint_wait_s))
+            self._prepare_pod_adapter()
             # Defers (raises TaskDeferred) unless a reattached pod has already finished.
             event = self._kubernetes().start(context, request)
             assert event is not None
@@ -269,6 +261,20 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         outcome = executor.run(storage, shard, work, config, batch.model)
         shard_finished(context, batch.batch_id)
         return outcome
+
+    def _prepare_pod_adapter(self) -> None:
+        """kubernetes mode: the shard's LoRA adapter is loaded from the worker before the pod
+        starts, as in local mode (the pod's driver only sends requests)."""
+        shard = ShardSpec.from_dict(self.shard)
+        if not shard.adapter:
+            return
+        try:
+            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+        except TrustViolation as exc:
+            raise AirflowFailException(str(exc)) from exc
+        config = DriverConfig(endpoint=target.endpoint, api_key_env=None, api_key=target.api_key,
+                              api_key_origin=target.api_key_origin)
+        prepare_adapter(shard, config, float(self.endpoint_wait_s))
 
     @records_step_error("dispatch")
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
