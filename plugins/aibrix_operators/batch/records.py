@@ -84,7 +84,7 @@ class Usage:
         self.add_usage(body.get("usage") if isinstance(body, dict) else None)
 
     def add_usage(self, usage: Any) -> None:
-        """``add_response_body`` for a body's ``usage`` alone (merge keeps only that)."""
+        """``add_response_body`` for a body's ``usage`` alone."""
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

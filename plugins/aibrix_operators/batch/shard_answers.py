@@ -47,15 +47,19 @@ class MergeSummary:
         }
 
 
-# What the walk keeps of one answer: its line, and its usage (a success) or its error code. Not
-# the parsed record: a shard's parsed answers (choices, logprobs, ...) were the merge task's
-# peak memory, several times the lines themselves.
-_Answer = tuple[bytes, Any, str | None]
+# What the walk keeps of one answer: its line, and its error code (None: a success). Not the
+# parsed record: a shard's parsed answers (choices, logprobs, ...) were the merge task's peak
+# memory, several times the lines themselves; nor the usage object, which is added up as the
+# segments are read (a first answer's usage counts whatever the walk finds after it: any other
+# outcome fails the whole merge).
+_Answer = tuple[bytes, str | None]
 
 
-def _shard_results(storage: Storage, segments: list[str]) -> tuple[dict[str, _Answer], int]:
-    """The first answer per ``custom_id`` in segment order, and how many repeats were dropped."""
+def _shard_results(storage: Storage, segments: list[str]) -> tuple[dict[str, _Answer], int, Usage]:
+    """The first answer per ``custom_id`` in segment order, how many repeats were dropped, and
+    the first answers' token usage."""
     results: dict[str, _Answer] = {}
+    usage = Usage()
     repeats = 0
     for uri in segments:
         # Streamed: reading a segment whole held it twice (the blob and its split lines) on top
@@ -72,11 +76,11 @@ def _shard_results(storage: Storage, segments: list[str]) -> tuple[dict[str, _An
                     continue
                 error = record.get("error")
                 if error is None:
-                    body = record["response"]["body"]
-                    results[cid] = (line, body.get("usage") if isinstance(body, dict) else None, None)
+                    usage.add_response_body(record["response"]["body"])
+                    results[cid] = (line, None)
                 else:
-                    results[cid] = (line, None, str(error.get("code")))
-    return results, repeats
+                    results[cid] = (line, str(error.get("code")))
+    return results, repeats, usage
 
 
 def shard_answers(
@@ -85,7 +89,8 @@ def shard_answers(
     """``(position in the shard, result line, is an error)`` for each of the shard's requests in
     shard order, counted into ``summary``; raises ``ExactlyOnceViolation`` at the end if a request
     has no result or a result answers no request of the shard."""
-    results, repeats = _shard_results(storage, segments)
+    results, repeats, usage = _shard_results(storage, segments)
+    summary.usage.merge(usage)
     if repeats:
         log.warning("%s: %d repeated answer(s) from overlapping attempts discarded; the "
                     "first answer per custom_id is kept", shard.name, repeats)
@@ -102,11 +107,10 @@ def shard_answers(
             if found is None:
                 missing.append(cid)
                 continue
-            line, usage, code = found
+            line, code = found
             summary.total += 1
             if code is None:
                 summary.completed += 1
-                summary.usage.add_usage(usage)
                 yield position, line, False
             else:
                 summary.failed += 1
