@@ -238,3 +238,19 @@ def test_through_the_router_every_instance_gets_the_adapters(
     first, fresh = served_adapters(runtime_server.base_url), served_adapters(second)
     for name in ("a1", "a2"):
         assert fresh[name] == first[name] and str(lora_setup["cache"] / name) in fresh[name]
+
+
+def test_an_unknown_adapter_is_refused_at_validation_with_its_line(
+    airflow_session_env: dict[str, str], s3_server: S3Server, lora_setup: dict, tmp_path: Path,
+) -> None:
+    batch = requests([SERVED_NAME, "a1"], seed=8)
+    batch[5]["body"]["model"] = "a9"  # not in the deployment's registry
+    proc = run_batch(airflow_session_env, s3_server, lora_setup, "http://127.0.0.1:9", batch, tmp_path,
+                     requests_per_shard=6)
+    assert proc.returncode != 0
+    record = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert record["status"] == "failed"
+    (error,) = record["errors"]["data"]
+    assert (error["code"], error["line"], error["param"]) == ("unknown_model", 6, "body.model")
+    assert "'a9' is neither the batch's model 'tiny-llama' nor one of its LoRA adapters" in error["message"]
+    assert not (tmp_path / "out" / "output.jsonl").exists()  # nothing was sent
