@@ -15,6 +15,8 @@ from aibrix_operators.lora.registry import Adapter
 from aibrix_operators.lora.serving import (
     AdapterLoadFailed,
     AdapterServerUnreachable,
+    AdapterStoreUnavailable,
+    fetch_adapter,
     load_on_server,
 )
 from aibrix_operators.serving.local_vllm import free_port
@@ -99,3 +101,17 @@ async def test_a_server_without_runtime_loading_says_how_to_start_it() -> None:
 async def test_an_unreachable_server_is_an_outage_not_a_bad_adapter() -> None:
     with pytest.raises(AdapterServerUnreachable, match="cannot reach .* the task's retry loads it again"):
         await load_on_server(f"http://127.0.0.1:{free_port()}", {}, ADAPTER, FOLDER)
+
+
+def test_an_unreachable_store_is_an_outage_not_a_bad_adapter(tmp_path: Path) -> None:
+    """A real boto3 client pointed at a port nothing listens on: the fetch fails as an outage
+    (retried as storage_error), not as adapter_load_failed, and nothing is left as verified."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{free_port()}", region_name="us-east-1",
+                          aws_access_key_id="k", aws_secret_access_key="s",
+                          config=Config(retries={"max_attempts": 1}, connect_timeout=2))
+    with pytest.raises(AdapterStoreUnavailable, match="LoRA adapter 'sql'.*the task's retry fetches it"):
+        fetch_adapter(ADAPTER, tmp_path, client)
+    assert not list((tmp_path / "sql").rglob("*.safetensors"))

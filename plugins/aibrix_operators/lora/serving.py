@@ -12,8 +12,8 @@
 A changed adapter has a new manifest digest, so it loads from a new folder; vLLM then replaces
 the old weights under the name (``load_inplace``) and never mixes the two (vLLM's advice:
 "load changed weights from a new path"). A bad adapter or a server that refuses it raises
-``AdapterLoadFailed``, a server that does not answer ``AdapterServerUnreachable`` (an outage);
-both messages name the adapter and what to do.
+``AdapterLoadFailed``; a server that does not answer ``AdapterServerUnreachable`` and a store that
+cannot be read ``AdapterStoreUnavailable`` (outages, retried); each message names the adapter.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from aibrix_operators.lora.registry import Adapter
-from aibrix_operators.serving.model_fetch import FetchError, fetch_model
+from aibrix_operators.serving.model_fetch import EXIT_STORE, FetchError, fetch_model
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class AdapterLoadFailed(Exception):
 
 class AdapterServerUnreachable(Exception):
     """The server did not answer the load: an outage, which a retry of the task may outlast."""
+
+
+class AdapterStoreUnavailable(Exception):
+    """The adapter store refused or could not be reached: an outage, retried like one."""
 
 
 def adapter_dir(cache_dir: Path, adapter: Adapter) -> Path:
@@ -57,7 +61,10 @@ def fetch_adapter(adapter: Adapter, cache_dir: Path, s3_client: Any = None) -> P
             report = fetch_model(adapter.uri, dest, manifest_sha256=adapter.manifest_sha256,
                                  client=s3_client)
         except FetchError as exc:
-            raise AdapterLoadFailed(f"LoRA adapter {adapter.name!r} ({adapter.uri}): {exc}") from exc
+            what = f"LoRA adapter {adapter.name!r} ({adapter.uri}): {exc}"
+            if exc.exit_code == EXIT_STORE:
+                raise AdapterStoreUnavailable(f"{what}; the task's retry fetches it again") from exc
+            raise AdapterLoadFailed(what) from exc
     log.info("LoRA adapter %s: %d file(s) verified in %s (%d downloaded now)", adapter.name,
              report.files, dest, len(report.fetched))
     return dest

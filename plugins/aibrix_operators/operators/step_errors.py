@@ -32,6 +32,7 @@ _CODES = {
     "TrustViolation": BatchFailure.REFUSED_BY_POLICY,
     "AdapterLoadFailed": BatchFailure.ADAPTER_LOAD_FAILED,
     "AdapterServerUnreachable": BatchFailure.ENDPOINT_UNAVAILABLE,
+    "AdapterStoreUnavailable": BatchFailure.STORAGE_ERROR,
     "AdapterRegistryError": BatchFailure.INVALID_ADAPTER_REGISTRY,
 }
 
