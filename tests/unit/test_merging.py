@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 
 import pytest
 
@@ -135,3 +136,22 @@ def test_failed_merge_publishes_nothing(storage, write_file, tmp_path, lines):
         merge_results(storage, shards, segments_of, str(tmp_path / "out"))
     assert not (tmp_path / "out" / "output.jsonl").exists()
     assert not (tmp_path / "out" / "errors.jsonl").exists()
+
+
+def test_answers_larger_than_the_read_window_come_back_byte_for_byte(storage, write_file, tmp_path, lines):
+    """A shard's answers (~4 MB here, several of merge's 1 MiB read-back windows) in random
+    order, with repeats: every output line is its request's first answer, byte for byte."""
+    n = 6000
+    shards = make_shards(storage, write_file, tmp_path, lines(n), rps=n)
+    first = {f"req-{i}": dumps(success_record(f"req-{i}", 200, f"r-{i}", {
+        "choices": [{"message": {"content": f"answer {i} " + "x" * (i % 700)}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})) for i in range(n)}
+    order = list(first)
+    random.Random(7).shuffle(order)
+    repeat = [dumps(error_record(c, "timeout", "from a later attempt")) for c in order[:50]]
+    seg = tmp_path / "results" / "seg-0.jsonl"
+    storage.write_bytes(str(seg), b"".join(line + b"\n" for line in [first[c] for c in order] + repeat))
+    summary = merge_results(storage, shards, lambda s: [str(seg)], str(tmp_path / "out"))
+    assert storage.read_bytes(summary.output_uri) == b"".join(first[f"req-{i}"] + b"\n" for i in range(n))
+    assert storage.read_bytes(summary.errors_uri) == b""
+    assert (summary.completed, summary.duplicates_discarded) == (n, 50)

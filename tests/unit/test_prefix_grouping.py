@@ -19,7 +19,7 @@ import pytest
 
 from aibrix_operators.batch.job import ValidatedBatch, prefix_order_uri, split_batch, validate_batch
 from aibrix_operators.batch.merging import ExactlyOnceViolation, merge_results
-from aibrix_operators.batch.prefixes import PrefixSignatures, grouping_order, worth_grouping
+from aibrix_operators.batch.prefixes import LEVELS, PrefixSignatures, grouping_order, worth_grouping
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.storage import LocalStorage
@@ -261,3 +261,30 @@ def test_grouped_split_from_a_stream_only_store(tmp_path):
     shards = split_batch(storage, batch, work, 50, 1 << 30, 1024)
     content = sorted(line for s in shards for line in Path(s.uri).read_text().splitlines(keepends=True))
     assert content == sorted(line + "\n" for line in text.rstrip("\n").split("\n"))
+
+
+def test_signature_columns_line_up_with_their_requests_whatever_each_prompt_reaches():
+    """Each request keeps hashes only for the levels its prompt reaches; the columns put every
+    hash back on its own request and 0 elsewhere, whatever the mix of lengths."""
+    lengths = [10, 300, 5000, 20_000, 10, 1500, 20_000, 300, 4095, 16_383]
+    raws = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "m", "prompt": chr(97 + i % 3) * n}}).encode()
+            for i, n in enumerate(lengths)]
+    sig = PrefixSignatures()
+    for i, raw in enumerate(raws):
+        sig.add(raw, i * 100_000)
+
+    def reference(raw: bytes) -> list[int]:
+        s = raw.find(b'"prompt"')
+        n, out, h = len(raw) - s, [], None
+        for lo, hi in zip((0, *LEVELS[:-1]), LEVELS, strict=True):
+            if n < hi:
+                out.append(0)
+                continue
+            h = (hash(raw[s + lo:s + hi]) if h is None else hash((h, raw[s + lo:s + hi]))) or 1
+            out.append(h)
+        return out
+
+    expected = [list(col) for col in zip(*(reference(r) for r in raws), strict=True)]
+    assert [c.tolist() for c in sig.columns()] == expected
+    assert [sum(1 for h in col if h) for col in expected] == [8, 6, 5, 3]

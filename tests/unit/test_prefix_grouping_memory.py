@@ -7,7 +7,7 @@ and reports its peak RSS (VmHWM) after each step. The file: 100,000 few-shot pre
 ~250 bytes, 10 requests each, shuffled; short lines keep the test quick (~400 MB).
 
 Memory that grows with the file is 16 bytes per request for the order (the signatures'
-40 bytes per request and the id hashes' 12 live only in the validate step), so the bound
+9-41 bytes per request and the id hashes' 12 live only in the validate step), so the bound
 asserted is well under the 300 MB target of the 1 GB benchmark.
 """
 

@@ -211,7 +211,8 @@ def validate_stream(
         return report
 
     id_hashes = array("q")
-    id_lines = array("l")
+    # A line is at least one byte, so a file under 2 GiB numbers its lines in 4 bytes.
+    id_lines = array("i" if limits.max_file_bytes < 2**31 else "q")
     # A run of blank lines waiting for the next request: where it starts and how long it is.
     blank = _BlankRun()
     # A buffered stream lets a run of bare newlines be consumed in chunks, not line by line.
