@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import tempfile
@@ -271,6 +272,46 @@ def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (the affinity call moves one thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
+@contextmanager
+def engine_isolated(server: VLLMServer, enabled: bool):  # -> Iterator[set[int] | None]
+    """Keep the engine's core for the engine: vLLM's API server, this process and everything it
+    starts while inside (the online clients, the driver, the router) run on the other cores.
+
+    vLLM's CPU backend binds its compute threads to one core and reserves the other for the
+    API server (``VLLM_CPU_OMP_THREADS_BIND=auto``), but leaves the rest of the machine free to
+    run anywhere; on a 2-core VM the load generator and the driver then share the engine's core
+    and every step they steal stalls the forward pass, in every scenario alike. On a GPU the
+    engine's compute does not share a core with its clients, so the bench keeps them apart too.
+    """
+    if not enabled or server.proc is None:
+        yield None
+        return
+    import psutil
+
+    engines = psutil.Process(server.proc.pid).children(recursive=True)
+    engine_cpus = set().union(*(os.sched_getaffinity(p.pid) for p in engines)) if engines else set()
+    host_cpus = set(range(os.cpu_count() or 1)) - engine_cpus
+    if not engine_cpus or not host_cpus:
+        yield None
+        return
+    mine = os.sched_getaffinity(0)
+    _pin_process(server.proc.pid, host_cpus)
+    _pin_process(os.getpid(), host_cpus)
+    try:
+        yield engine_cpus
+    finally:
+        _pin_process(os.getpid(), mine)  # the next server's start sees the whole machine
+
+
 @contextmanager
 def online_first_router(decode_url: str, slots: int):  # -> Iterator[str]
     """The router process (the image's entrypoint) in front of the server, online first."""
@@ -308,16 +349,19 @@ async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
                 await _online_request(session, server.base_url, 0, time.monotonic())
-        for name in names:
-            print(f"-- scenario {name}", flush=True)
-            with_online = name != "idle"
-            if name in ("router", "online@router"):
-                with online_first_router(server.base_url, args.max_num_seqs) as url:
-                    results.append(await run_scenario(name, url, args, trace, shard, work, with_online))
-            else:
-                results.append(await run_scenario(name, server.base_url, args, trace, shard, work,
-                                                  with_online))
-            print(json.dumps(summarize(results[-1], trace)), flush=True)
+        with engine_isolated(server, args.isolate_engine) as engine_cpus:
+            print(f"engine on CPUs {sorted(engine_cpus)}, everything else on the others" if engine_cpus
+                  else "engine not isolated", flush=True)
+            for name in names:
+                print(f"-- scenario {name}", flush=True)
+                with_online = name != "idle"
+                if name in ("router", "online@router"):
+                    with online_first_router(server.base_url, args.max_num_seqs) as url:
+                        results.append(await run_scenario(name, url, args, trace, shard, work, with_online))
+                else:
+                    results.append(await run_scenario(name, server.base_url, args, trace, shard, work,
+                                                      with_online))
+                print(json.dumps(summarize(results[-1], trace)), flush=True)
     return results
 
 
@@ -351,6 +395,8 @@ def main() -> None:
                    default=["online", "plain", "dedicated", "shared", "online@router", "router", "idle",
                             "online#2", "online@gate", "gate"],
                    help="online#2: the baseline again at the end (its spread is the run's noise)")
+    p.add_argument("--isolate-engine", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the engine's core for the engine (see engine_isolated)")
     p.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
     p.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = p.parse_args()
