@@ -25,6 +25,10 @@ class KVCacheSettings:
     chunk_tokens: int = 0
     # Layers whose loads may be in flight ahead of the layer being computed (0 = all).
     prefetch_window: int = 0
+    # Lookahead prefetch (docs/kvcache.md): while the running requests compute, fetch L2 -> L1
+    # the chunks of the first N waiting requests, so a request finds its KV in L1 when it is
+    # scheduled. 0 = off. (Not ``prefetch_window``: that one counts layers inside one step.)
+    lookahead_requests: int = 0
     # Worker threads that move bytes between tiers and the paged KV cache.
     io_threads: int = 2
     # L1: bounded CPU memory pool.
@@ -115,7 +119,8 @@ class KVCacheSettings:
             raise ValueError(f"l2_backend must be one of {_L2_BACKENDS}, got {self.l2_backend!r}")
         if self.l2_backend == "fs" and not self.l2_fs_path:
             raise ValueError("l2_backend=fs needs l2_fs_path")
-        if self.l1_capacity_bytes < 0 or self.chunk_tokens < 0 or self.prefetch_window < 0:
+        if (self.l1_capacity_bytes < 0 or self.chunk_tokens < 0 or self.prefetch_window < 0
+                or self.lookahead_requests < 0):
             raise ValueError("sizes must be >= 0")
         if self.l2_mac_alg not in ("blake2b", "blake3"):
             raise ValueError(f"l2_mac_alg must be blake2b or blake3, got {self.l2_mac_alg!r}")

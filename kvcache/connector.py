@@ -200,6 +200,20 @@ class KVCacheConnector(KVConnectorBase_V1):
         )
         return matched, False
 
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        if not self.scheduler.line.depth or not self._cacheable(request):
+            return
+        adapter = None
+        if request.lora_request is not None:
+            adapter = _adapter_identity(request.lora_request)
+            if adapter is None:
+                return
+        self.scheduler.on_new_request(
+            request.request_id, list(request.prompt_token_ids or []), getattr(request, "cache_salt", None),
+            adapter,
+        )
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

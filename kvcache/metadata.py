@@ -40,6 +40,10 @@ class KVCacheStepMetadata(KVConnectorMetadata):
     # P/D handoffs the scheduler resolved since the last step: (outcome, seconds pending).
     # Counted by the worker side, whose process serves the metrics.
     handoffs: list[tuple[str, float]] = field(default_factory=list)
+    # Lookahead prefetch: per waiting request, the chunk hashes to fetch from L2 into L1, in
+    # prompt order (the worker stops a list at its first chunk L2 does not hold: the chain's
+    # later chunks cannot be usable without it). Each hash is asked once until reported.
+    prefetch: list[list[str]] = field(default_factory=list)
 
 
 @dataclass

@@ -21,6 +21,17 @@ except ImportError:  # pragma: no cover - depends on the environment
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 HITS = Counter("kvcache_hit_chunks", "Chunks loaded from a tier", ["tier"])
+LOAD_REQUESTS = Counter(
+    "kvcache_load_requests",
+    "Requests whose stored KV was loaded when scheduled, by where it was: l1 (all of it), l2 (some)",
+    ["source"],
+)
+LOOKAHEAD_CHUNKS = Counter(
+    "kvcache_lookahead_chunks",
+    "Lookahead prefetch, per chunk asked: stored (L2 -> L1), absent (not in L2), failed, no_slot,"
+    " skipped (after an absent chunk of the same prompt, or already in L1)",
+    ["outcome"],
+)
 MISSES = Counter("kvcache_miss_chunks", "Chunks the worker could not load", ["reason"])
 SCHED_QUERY_TOKENS = Counter("kvcache_lookup_tokens", "Prompt tokens looked up by the scheduler")
 SCHED_HIT_TOKENS = Counter("kvcache_lookup_hit_tokens", "Prompt tokens the scheduler found stored")

@@ -15,6 +15,7 @@ from kvcache import metrics
 from kvcache.config import KVCacheSettings
 from kvcache.handoff import Handoff, HandoffWaits
 from kvcache.keys import KeyNamespace, chunk_hashes, storage_key
+from kvcache.lookahead import LookaheadLine
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.tiers import L2Store, TierUnavailable
 
@@ -66,6 +67,8 @@ class KVCacheScheduler:
         self.handoffs = HandoffWaits(settings.handoff_wait_s, settings.handoff_poll_s)
         # Resolved handoffs not yet sent to the worker side (step metadata).
         self._handoff_events: list[tuple[str, float]] = []
+        # Lookahead prefetch (kvcache/lookahead.py); depth 0: off.
+        self.line = LookaheadLine(settings.lookahead_requests if can_load and l2 is not None else 0)
 
     # -- lookup ----------------------------------------------------------------------------
     def _hashes(
@@ -164,6 +167,16 @@ class KVCacheScheduler:
             n += 1
         return n, True
 
+    # -- lookahead prefetch ----------------------------------------------------------------
+    def on_new_request(
+        self, req_id: str, prompt: list[int], salt: str | None = None, adapter: str | None = None
+    ) -> None:
+        """A request joined vLLM's waiting queue: its chunk hashes, made now (lookup reuses them),
+        put it in line for lookahead prefetch."""
+        if self.line.depth and prompt:
+            hashes = self._hashes(req_id, prompt, salt, adapter)
+            self.line.join(req_id, hashes[: (len(prompt) - 1) // self.chunk])
+
     def handoff(self, req_id: str) -> Handoff | None:
         """Producer side, when a request finishes: the chunks it stored or queued for L2
         (None if it stored none). Decode instances wait for them (``num_matched_tokens``)."""
@@ -184,6 +197,7 @@ class KVCacheScheduler:
         self._handoff_events = []
         queued: set[str] = set()
         for new in scheduler_output.scheduled_new_reqs:
+            self.line.leave(new.req_id)
             block_ids = list(new.block_ids[0]) if new.block_ids else []
             prompt = list(new.prompt_token_ids or [])
             hashes = self._hash_cache.get(new.req_id)
@@ -224,6 +238,8 @@ class KVCacheScheduler:
         # Anything still pending was not scheduled after all; it will be asked again.
         self._pending_loads.clear()
         self._add_deps(meta)
+        if self.line:
+            meta.prefetch = self.line.lists(self.l1_index)
         return meta
 
     def _add_deps(self, meta: KVCacheStepMetadata) -> None:
@@ -289,6 +305,7 @@ class KVCacheScheduler:
             return
         self.l1_index -= report.evicted
         self.l1_index |= report.stored
+        self.line.reported(report.stored | report.evicted)
         for req_id in report.failed_reqs:
             state = self._reqs.get(req_id)
             if state is not None:
@@ -297,6 +314,7 @@ class KVCacheScheduler:
                 state.saved_upto = 0
 
     def finished(self, req_id: str) -> None:
+        self.line.leave(req_id)
         self.handoffs.forget(req_id)
         self._reqs.pop(req_id, None)
         self._hash_cache.pop(req_id, None)

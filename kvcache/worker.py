@@ -44,6 +44,7 @@ from kvcache.config import KVCacheSettings
 from kvcache.failed_loads import FailedLoads
 from kvcache.keys import layer_number
 from kvcache.l1_cache import L1Cache
+from kvcache.lookahead import LookaheadPrefetcher
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata, KVCacheWorkerReport
 from kvcache.secrets import l2_mac
 from kvcache.tiers import L2Store
@@ -94,6 +95,7 @@ class KVCacheWorker:
         self._step_save: StoreJob | None = None
         self.stats = metrics.KVCacheStats()
         metrics.TIER_CAPACITY.labels("l1").set(settings.l1_capacity_bytes)
+        self.lookahead = LookaheadPrefetcher(self.engine, self.cache)
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(
@@ -143,11 +145,14 @@ class KVCacheWorker:
         return LoadJob(self.engine, items, l1_chunks, promo_slots, self.engine.corrupt(), t0)
 
     def start_load(self, meta: KVCacheStepMetadata) -> None:
-        if not meta.loads or not self.engine.kv:
+        step = None
+        if meta.loads and self.engine.kv:
+            self._check_chunk_blocks(meta)
+            step = self._step_load = self._load_job(meta.loads)
+        # After the load job pinned its L1 chunks: a prefetch's slot may evict, never those.
+        self.lookahead.submit(meta.prefetch)
+        if step is None:
             return
-        self._check_chunk_blocks(meta)
-        step = self._load_job(meta.loads)
-        self._step_load = step
         if self.settings.pipelined and (self.engine.cuda or step.uses_l2):
             step.submit(self.settings.prefetch_window or self.engine.n_layers)
         else:
@@ -222,6 +227,7 @@ class KVCacheWorker:
             if chunk is not None:
                 self.slab.unref(chunk.slot)
         self.failures.record(bad, failed_reqs)
+        _count_load_sources(step, failed_reqs, self.stats)
         block_tokens = self.engine.block_size
         metrics.TOKENS_LOADED.inc(loaded_tokens * block_tokens)
         metrics.TIER_BYTES.labels("l1").set(self.l1.bytes_used)
@@ -343,6 +349,7 @@ class KVCacheWorker:
 
     def take_report(self) -> KVCacheWorkerReport | None:
         """Where each chunk touched since the last report is now (L1 is the truth)."""
+        self.lookahead.harvest()  # finished prefetches join L1 and this report
         touched = self.cache.take_touched()
         failed = self.failures.take_reqs()
         if not touched and not failed:
@@ -359,8 +366,22 @@ class KVCacheWorker:
         return stats
 
     def shutdown(self) -> None:
+        self.lookahead.close()
         self.engine.shutdown()
         if self.writer is not None:
             self.writer.close()
         if self.l2 is not None:
             self.l2.close()
+
+
+def _count_load_sources(step: LoadJob, failed_reqs: set[str], stats: metrics.KVCacheStats) -> None:
+    """Per request loaded this step: was all of its KV in L1 when it was scheduled, or did some
+    come from L2 (what lookahead prefetch is for: docs/kvcache.md)."""
+    from_l2: dict[str, bool] = {}
+    for idx, item in enumerate(step.items):
+        if not step.failed[idx]:
+            from_l2[item.req_id] = from_l2.get(item.req_id, False) or step.l1_chunks[idx] is None
+    for req_id, any_l2 in from_l2.items():
+        if req_id not in failed_reqs:
+            metrics.LOAD_REQUESTS.labels("l2" if any_l2 else "l1").inc()
+            stats.add("load_requests_l2" if any_l2 else "load_requests_l1", 1)
