@@ -202,7 +202,8 @@ async def run_scenario(name: str, url: str, args: argparse.Namespace, trace: lis
         elif name in ("dedicated", "idle"):
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, None)
         elif name in ("shared", "router", "gate"):
-            capacity = SharedCapacity(target_inflight=args.max_num_seqs, tick_s=args.tick_s)
+            capacity = SharedCapacity(target_inflight=args.max_num_seqs, tick_s=args.tick_s,
+                                      batch_queue=args.batch_queue)
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, capacity)
         else:
             await asyncio.sleep(duration)
@@ -282,32 +283,37 @@ def _pin_process(pid: int, cpus: set[int]) -> None:
 
 
 @contextmanager
-def engine_isolated(server: VLLMServer, enabled: bool):  # -> Iterator[set[int] | None]
-    """Keep the engine's core for the engine: vLLM's API server, this process and everything it
-    starts while inside (the online clients, the driver, the router) run on the other cores.
+def engine_isolated(server: VLLMServer, engine_cpu: int | None):  # -> Iterator[int | None]
+    """Keep one core for the engine: vLLM's engine processes run on ``engine_cpu`` alone; its API
+    server, this process and everything it starts while inside (the online clients, the driver,
+    the router) run on the other cores.
 
-    vLLM's CPU backend binds its compute threads to one core and reserves the other for the
-    API server (``VLLM_CPU_OMP_THREADS_BIND=auto``), but leaves the rest of the machine free to
-    run anywhere; on a 2-core VM the load generator and the driver then share the engine's core
-    and every step they steal stalls the forward pass, in every scenario alike. On a GPU the
-    engine's compute does not share a core with its clients, so the bench keeps them apart too.
+    vLLM's CPU backend binds its compute worker (``VLLM::Worker``) to one core and reserves the
+    other for the rest of the server (``VLLM_CPU_OMP_THREADS_BIND=auto``: "core ids=[0],
+    reserved_cpus=[1]"), but nothing keeps anything else off the worker's core: on this 2-core
+    VM the engine core's scheduler, the API server, the load generator and the driver all land
+    there too, and every slice they take stalls a forward pass (in every scenario, but more
+    with more client-side work). On a GPU the forward pass does not share a core with its
+    clients, so the bench keeps them apart: the worker stays where vLLM put it, the engine
+    core process joins it, and the rest moves to the reserved core.
     """
-    if not enabled or server.proc is None:
+    if engine_cpu is None or server.proc is None or (os.cpu_count() or 1) < 2:
         yield None
         return
     import psutil
 
-    engines = psutil.Process(server.proc.pid).children(recursive=True)
-    engine_cpus = set().union(*(os.sched_getaffinity(p.pid) for p in engines)) if engines else set()
-    host_cpus = set(range(os.cpu_count() or 1)) - engine_cpus
-    if not engine_cpus or not host_cpus:
-        yield None
-        return
+    host_cpus = set(range(os.cpu_count() or 1)) - {engine_cpu}
+    engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "EngineCor" in p.name()]
+    if not engines:
+        raise RuntimeError("no VLLM::EngineCore process under the server: cannot isolate it")
     mine = os.sched_getaffinity(0)
+    for engine in engines:
+        _pin_process(engine.pid, {engine_cpu})
     _pin_process(server.proc.pid, host_cpus)
     _pin_process(os.getpid(), host_cpus)
     try:
-        yield engine_cpus
+        yield engine_cpu
     finally:
         _pin_process(os.getpid(), mine)  # the next server's start sees the whole machine
 
@@ -349,8 +355,8 @@ async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
                 await _online_request(session, server.base_url, 0, time.monotonic())
-        with engine_isolated(server, args.isolate_engine) as engine_cpus:
-            print(f"engine on CPUs {sorted(engine_cpus)}, everything else on the others" if engine_cpus
+        with engine_isolated(server, None if args.engine_cpu < 0 else args.engine_cpu) as engine_cpu:
+            print(f"engine on CPU {engine_cpu}, everything else on the others" if engine_cpu is not None
                   else "engine not isolated", flush=True)
             for name in names:
                 print(f"-- scenario {name}", flush=True)
@@ -391,12 +397,14 @@ def main() -> None:
     p.add_argument("--batch-concurrency", type=int, default=16)
     p.add_argument("--batch-requests", type=int, default=50_000)
     p.add_argument("--tick-s", type=float, default=0.25, help="shared mode's controller tick")
+    p.add_argument("--batch-queue", type=int, default=SharedCapacity.batch_queue,
+                   help="shared mode's batch requests allowed to wait at the server beyond the headroom")
     p.add_argument("--scenarios", nargs="+",
                    default=["online", "plain", "dedicated", "shared", "online@router", "router", "idle",
                             "online#2", "online@gate", "gate"],
                    help="online#2: the baseline again at the end (its spread is the run's noise)")
-    p.add_argument("--isolate-engine", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the engine's core for the engine (see engine_isolated)")
+    p.add_argument("--engine-cpu", type=int, default=0,
+                   help="the core kept for vLLM's engine process (see engine_isolated); -1: no isolation")
     p.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
     p.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = p.parse_args()
