@@ -17,6 +17,7 @@ behind fetches for requests that are not running yet.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,12 +42,15 @@ class LookaheadLine:
     """Scheduler side: the waiting requests in arrival order, and what was asked of the worker.
 
     A request joins when vLLM tells the connector of it and leaves when it is scheduled or
-    finishes. Each step the first ``depth`` requests name the chunks L1 lacks; a chunk asked
-    for is not asked again until the worker reports it (stored in L1, or not)."""
+    finishes. Each step the first ``depth`` requests name the chunks L1 lacks, once per request;
+    a chunk another request asked for is not asked again until the worker reports it."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self._waiting: dict[str, list[str]] = {}  # request -> its usable chunk hashes
+        # Requests whose chunks were named once: never again (a chunk L2 lacks stays lacking,
+        # and asking each step would cost a read per step per waiting request).
+        self._named: set[str] = set()
         self._asked: set[str] = set()
 
     def join(self, req_id: str, hashes: list[str]) -> None:
@@ -55,12 +59,16 @@ class LookaheadLine:
 
     def leave(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
+        self._named.discard(req_id)
 
     def lists(self, in_l1: set[str]) -> list[list[str]]:
         lists: list[list[str]] = []
-        for n, hashes in enumerate(self._waiting.values()):
+        for n, (req_id, hashes) in enumerate(self._waiting.items()):
             if n >= self.depth:
                 break
+            if req_id in self._named:
+                continue
+            self._named.add(req_id)
             want = [h for h in hashes if h not in in_l1 and h not in self._asked]
             if want:
                 self._asked.update(want)
@@ -75,6 +83,27 @@ class LookaheadLine:
         return bool(self._waiting)
 
 
+def _spare_cpus() -> set[int]:
+    """The machine's CPUs that the calling (compute) thread is not bound to; empty when it is
+    not bound at all."""
+    try:
+        compute = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set()
+    return set(range(os.cpu_count() or 1)) - compute
+
+
+def _beside_the_forward(spare: set[int]) -> None:
+    """Run the fetching thread off the forward pass's cores when vLLM bound it to some (its CPU
+    backend binds the worker to its OpenMP cores, and new threads inherit that): fetching there
+    would take its time from the very compute it is meant to run behind."""
+    if spare:
+        try:
+            os.sched_setaffinity(0, spare)
+        except OSError:
+            pass  # not allowed in this cgroup: stay beside the compute thread
+
+
 class LookaheadPrefetcher:
     """Worker side: the fetches, and their entry into L1."""
 
@@ -83,7 +112,9 @@ class LookaheadPrefetcher:
         self.cache = cache
         self.enabled = engine.settings.lookahead_requests > 0 and engine.l2 is not None
         self._running: list[Future[_Fetched]] = []
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvcache-lookahead") if self.enabled else None
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="kvcache-lookahead",
+                                           initializer=_beside_the_forward, initargs=(_spare_cpus(),))
+                        if self.enabled else None)
 
     def submit(self, lists: list[list[str]]) -> None:
         """Start fetching each list's chunks (one prompt's, in order) on the I/O threads."""

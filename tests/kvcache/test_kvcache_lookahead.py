@@ -157,12 +157,16 @@ def test_scheduler_names_the_first_waiting_requests_chunks_once(tmp_path) -> Non
     step = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                            num_scheduled_tokens={})  # fmt: skip
     assert sched.build_meta(step, {}).prefetch == [h3]
-    # A chunk reported not stored (absent from L2) may be asked again, for a request still waiting.
+    # A request is named once: a chunk reported absent from L2 is not asked again for it.
     sched.on_worker_report(KVCacheWorkerReport(evicted={h2[2]}))
-    assert sched.build_meta(STEP, {}).prefetch == [[h2[2]]]
+    assert sched.build_meta(STEP, {}).prefetch == []
+    # ... but a new request naming it asks again (L2 may hold it by now).
+    sched.on_new_request("r4", _prompt(2, 3))
+    assert sched.build_meta(STEP, {}).prefetch == []  # r4 is third in line, past the depth of 2
     sched.finished("r2")
+    assert sched.build_meta(STEP, {}).prefetch == [[h2[2]]]  # r4 (same prompt as r2) moved up
     sched.finished("r3")
-    sched.on_worker_report(KVCacheWorkerReport(evicted={h3[0]}))
+    sched.finished("r4")
     assert sched.build_meta(STEP, {}).prefetch == []
 
 
