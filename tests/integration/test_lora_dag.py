@@ -254,3 +254,93 @@ def test_an_unknown_adapter_is_refused_at_validation_with_its_line(
     assert (error["code"], error["line"], error["param"]) == ("unknown_model", 6, "body.model")
     assert "'a9' is neither the batch's model 'tiny-llama' nor one of its LoRA adapters" in error["message"]
     assert not (tmp_path / "out" / "output.jsonl").exists()  # nothing was sent
+
+
+def lora_admin(base_url: str, action: str, body: dict) -> None:
+    """``POST /v1/load_lora_adapter`` or ``/v1/unload_lora_adapter``."""
+    req = urllib.request.Request(f"{base_url}/v1/{action}_lora_adapter", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200, resp.status
+
+
+def test_an_adapter_the_server_loses_mid_shard_pauses_the_shard_not_its_requests(
+    runtime_server: VLLMServer, lora_setup: dict, tmp_path: Path,
+) -> None:
+    """vLLM forgets an adapter mid-shard, as a restart without the run-time loads does. Its 404s
+    ("the model does not exist") are the endpoint's fault: the shard pauses and resumes when the
+    adapter is back, and no request ends as an error line. Gone past the outage budget, the shard
+    fails instead (the task's failure, retried) and its retry, after the adapter is loaded again
+    (what dispatch's prepare_adapter does), answers the rest, each request once."""
+    import asyncio
+    import threading
+    import time
+
+    from aibrix_operators.driver.config import DriverConfig
+    from aibrix_operators.driver.health import EndpointOutage
+    from aibrix_operators.driver.results import shard_result_log
+    from aibrix_operators.driver.runner import run_shard
+    from aibrix_operators.storage import LocalStorage
+
+    base, name = runtime_server.base_url, "lost-a1"
+    load = {"lora_name": name, "lora_path": str(lora_setup["folders"]["a1"])}
+    lora_admin(base, "load", load)
+    storage = LocalStorage()
+
+    def shard_of(tag: str, n: int) -> tuple[str, str]:
+        rows = [{"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": name, "max_tokens": 16, "temperature": 0.0,
+                          "messages": [{"role": "user", "content": f"Question {i}: where do rivers go?"}]}}
+                for i in range(n)]
+        return str(write_jsonl(tmp_path / f"{tag}.jsonl", rows)), str(tmp_path / f"{tag}-results")
+
+    def config(budget_s: float) -> DriverConfig:
+        return DriverConfig(endpoint=base, concurrency=4, api_key_env=None, flush_every=10,
+                            flush_interval_s=0.2, backoff_base_s=0.05, probe_interval_s=0.2,
+                            outage_budget_s=budget_s)
+
+    def lose_after_first_checkpoint(shard: str, prefix: str, back_after_s: float | None) -> threading.Thread:
+        def run() -> None:
+            log = shard_result_log(storage, prefix, shard)
+            deadline = time.monotonic() + 120
+            while not log.segments() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            lora_admin(base, "unload", {"lora_name": name})
+            if back_after_s is not None:
+                time.sleep(back_after_s)
+                lora_admin(base, "load", load)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def answers(shard: str, prefix: str) -> list[dict]:
+        log = shard_result_log(storage, prefix, shard)
+        return [json.loads(line) for seg in log.segments()
+                for line in storage.read_bytes(seg).decode().splitlines() if line]
+
+    # Lost for 3 s, inside the outage budget: paused, then every request answered.
+    shard, prefix = shard_of("pause", 240)
+    loser = lose_after_first_checkpoint(shard, prefix, back_after_s=3.0)
+    outcome = asyncio.run(run_shard(storage, shard, prefix, config(120.0), total=240))
+    loser.join()
+    got = answers(shard, prefix)
+    assert outcome.failed == 0 and outcome.outages >= 1, outcome
+    assert sorted(r["custom_id"] for r in got) == sorted(f"pause-{i}" for i in range(240))
+    assert all(r["error"] is None for r in got)
+
+    # Lost for good: the shard fails past its 3 s budget with nothing recorded for the rest; the
+    # retry after a reload answers them.
+    shard, prefix = shard_of("retry", 240)
+    loser = lose_after_first_checkpoint(shard, prefix, back_after_s=None)
+    with pytest.raises(EndpointOutage):
+        asyncio.run(run_shard(storage, shard, prefix, config(3.0), total=240))
+    loser.join()
+    first = answers(shard, prefix)
+    assert 0 < len(first) < 240 and all(r["error"] is None for r in first)
+    lora_admin(base, "load", load)
+    outcome = asyncio.run(run_shard(storage, shard, prefix, config(120.0), total=240))
+    got = answers(shard, prefix)
+    assert outcome.failed == 0
+    assert sorted(r["custom_id"] for r in got) == sorted(f"retry-{i}" for i in range(240))
+    assert all(r["error"] is None for r in got)
+    lora_admin(base, "unload", {"lora_name": name})

@@ -39,6 +39,10 @@ class RequestError(StrEnum):
     INVALID_RESPONSE_BODY = "invalid_response_body"
     # The endpoint answered 3xx; redirects are not followed; retry: no, point the endpoint at the server.
     ENDPOINT_REDIRECTED = "endpoint_redirected"
+    # The server answered 404 for the request's model, which it served before or was told to load
+    # (a restart that lost a LoRA adapter): paused as an outage while a replay fails the same way,
+    # an error line only when nothing showed the endpoint had it; retry: yes, once it serves it.
+    MODEL_NOT_LOADED = "model_not_loaded"
     # Shared mode withdrew the attempt for online traffic; it is sent again and never charged, so
     # it names only an expired or cancelled request's last attempt; retry: automatic.
     PREEMPTED_FOR_ONLINE = "preempted_for_online"

@@ -65,7 +65,9 @@ async def probe_endpoint(
             async with session.post(url, data=_one_token(url, canary[1]), timeout=timeout,
                                     allow_redirects=False) as resp:
                 await resp.read()
-                if resp.status >= 500 or resp.status in (408, 429):
+                # 404: the route or the model it answered is gone (a restart that lost a LoRA
+                # adapter loaded at run time), not the request's fault: it was answered before.
+                if resp.status >= 500 or resp.status in (404, 408, 429):
                     return f"replaying an answered request to {url} got HTTP {resp.status}"
                 return None
         async with session.get(url, timeout=timeout, allow_redirects=False) as resp:

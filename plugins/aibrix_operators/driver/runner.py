@@ -435,8 +435,9 @@ class _Sender:
                     # A connection that failed is asked of the health check always: others'
                     # answers may have finished just as the endpoint went down (a clean-clone run
                     # on a loaded machine turned an outage into an error line that way).
+                    # So is a lost model: requests already running when the server lost it finish.
                     answered_meanwhile = health.successes > (prev_mark if charged > 1 else cur_mark)
-                    if answered_meanwhile and result.code != RequestError.CONNECTION_ERROR:
+                    if answered_meanwhile and result.code not in _ASK_THE_HEALTH_CHECK:
                         return result.as_record(custom_id, attempts)
                     problem = await health.check()
                     if problem is None:
@@ -563,6 +564,13 @@ class _Sender:
         # could not reach): the line goes to the submitter without them.
         body = scrub_json(body)
         code, message = _error_of(status, body)
+        if status == 404 and _model_not_served(body):
+            # Validation lets through only the batch's model and the deployment's adapters of it,
+            # so a server that does not know the model has lost it (restarted without the LoRA
+            # adapters loaded at run time, or replaced): the endpoint's fault. Retried; when the
+            # canary replay gets the same answer the breaker pauses the shard, and past the outage
+            # budget the task fails and its retry loads the adapter again (operators/dispatch.py).
+            return _Failure(RequestError.MODEL_NOT_LOADED, message, status, request_id, body)
         if is_retryable_status(status):
             return _Failure(code, message, status, request_id, body,
                             parse_retry_after(headers.get("retry-after")),
@@ -616,6 +624,20 @@ def _parse_error_body(raw: bytes) -> Any:
         return loads(raw)
     except JSONDecodeError:
         return raw[:2000].decode("utf-8", "replace")
+
+
+# Failures judged by the health check even when the endpoint answered others meanwhile.
+_ASK_THE_HEALTH_CHECK = frozenset({RequestError.CONNECTION_ERROR, RequestError.MODEL_NOT_LOADED})
+
+
+def _model_not_served(body: Any) -> bool:
+    """A 404 that says the model is unknown: vLLM's ``NotFoundError`` on ``param: model``, or
+    OpenAI's ``model_not_found``."""
+    detail = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(detail, dict):
+        return False
+    return detail.get("code") == "model_not_found" or (
+        detail.get("type") == "NotFoundError" and detail.get("param") == "model")
 
 
 def _error_of(status: int, body: Any) -> tuple[str, str]:
