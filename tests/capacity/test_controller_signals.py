@@ -95,7 +95,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 async def test_limit_drops_on_online_queueing_and_rising_ttft_and_grows_back(server: LoadedServer) -> None:
-    capacity = SharedCapacity(target_inflight=32, ttft_target_s=0.5, tick_s=0.05)
+    capacity = SharedCapacity(target_inflight=32, ttft_target_s=0.5, tick_s=0.05, batch_queue=2)
     ctl, demand = shared_capacity.join(server.url, capacity, 64, {}, None, 1000)
     try:
         await _until(lambda: ctl.limiter.limit == 34)  # idle: the target and a queue of 2 at once

@@ -8,7 +8,7 @@ from aibrix_operators.capacity import policy
 from aibrix_operators.capacity.policy import ControlLimits, decide
 from aibrix_operators.capacity.signals import EndpointSignals
 
-LIMITS = ControlLimits(max_limit=64, target_inflight=32)
+LIMITS = ControlLimits(max_limit=64, target_inflight=32, batch_queue=2)
 
 
 def sig(running: float = 0, waiting: float = 0, kv: float | None = 0.1, ttft: float | None = None,

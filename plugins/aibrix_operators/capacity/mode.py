@@ -34,7 +34,7 @@ class SharedCapacity:
     online_priority: int = 0
     target_inflight: int = 64
     max_waiting: int = 0
-    batch_queue: int = 2
+    batch_queue: int = 4
     max_kv_usage: float = 0.95
     ttft_target_s: float | None = None
     tick_s: float = 0.5

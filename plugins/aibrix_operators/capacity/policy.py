@@ -36,7 +36,7 @@ class ControlLimits:
     target_inflight: int  # requests (online + batch) the endpoint holds at a good latency
     min_limit: int = 0
     max_waiting: int = 0  # requests queued at the server before it counts as full
-    batch_queue: int = 2  # batch requests that may wait at the server beyond the headroom
+    batch_queue: int = 4  # batch requests that may wait at the server beyond the headroom
     max_kv_usage: float = 0.95
     ttft_target_s: float | None = None
 

@@ -8,7 +8,7 @@ Keys (all optional; without ``shared_endpoints`` every endpoint is dedicated)::
     shared_online_priority = 0        # what online requests carry (vLLM's default: 0)
     shared_target_inflight = 64       # requests, online + batch, the endpoint holds at a good latency
     shared_max_waiting = 0            # requests queued at the server before it counts as full
-    shared_batch_queue = 2            # batch requests that may wait at the server beyond the headroom
+    shared_batch_queue = 4            # batch requests that may wait at the server beyond the headroom
     shared_max_kv_usage = 0.95
     shared_ttft_target_s =            # back off when the endpoint's recent TTFT is above this
     shared_tick_s = 0.5               # how often the endpoint's /metrics is read
