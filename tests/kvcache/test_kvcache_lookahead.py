@@ -1,7 +1,7 @@
 """Lookahead prefetch without vLLM: the scheduler names waiting requests' chunks, the worker
 fetches them from a real L2 (the filesystem tier) into L1 behind the step, and the load that
 follows is an L1 copy with the producer's bytes. The end-to-end measurement against vLLM is
-``test_kvcache_vllm.py::test_lookahead_prefetch_puts_waiting_requests_kv_in_l1``."""
+``test_kvcache_lookahead_vllm.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from test_kvcache_worker import BS, DIM2, HEADS, LAYERS, _step, _worker
 
 from kvcache import metrics
 from kvcache.config import KVCacheSettings
@@ -19,24 +20,7 @@ from kvcache.scheduler import KVCacheScheduler
 from kvcache.tiers import FilesystemStore
 from kvcache.worker import KVCacheWorker
 
-LAYERS, BLOCKS, HEADS, BS, DIM2 = 3, 16, 2, 4, 8
 ONE_CHUNK = LAYERS * HEADS * BS * DIM2 * 4
-
-
-def _worker(settings: dict, l2) -> tuple[KVCacheWorker, dict[str, torch.Tensor]]:
-    w = KVCacheWorker(KVCacheSettings.from_extra(settings), "ns", 0, l2)
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BS, DIM2) for i in range(LAYERS)}
-    w.register_kv_caches(kv, BLOCKS, BS)
-    return w, kv
-
-
-def _step(w: KVCacheWorker, meta: KVCacheStepMetadata) -> set[int]:
-    w.start_load(meta)
-    for name in w.layer_index:
-        w.wait_for_layer(name)
-        w.save_layer(name, meta)
-    w.wait_for_save(meta)
-    return w.take_load_errors()
 
 
 def _produce(tmp_path, hashes: list[str]) -> dict[str, torch.Tensor]:
