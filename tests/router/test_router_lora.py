@@ -88,3 +88,19 @@ async def test_a_bad_load_request_is_refused(make_router) -> None:  # noqa: F811
     router = await make_router([], [StubBackend("d")])
     status, body = await router.post({"lora_name": "sql"}, "/v1/load_lora_adapter")
     assert status == 400 and body["error"]["code"] == "invalid_request"
+
+
+async def test_an_adapter_loaded_behind_the_routers_back_is_not_listed_until_it_fans_out(
+    make_router,  # noqa: F811
+) -> None:
+    """One instance already has the adapter (from an earlier run straight to it), the other does
+    not: the router's list must not say it is loaded, or the dispatch task would skip the load
+    and the adapter's requests would reach the instance without it."""
+    d1, d2 = StubBackend("d1"), StubBackend("d2")
+    d1.loras["sql"] = LOAD["lora_path"]
+    router = await make_router([], [d1, d2])
+    for _ in range(3):  # whichever instance answers the listing
+        assert set(await models(router)) == {"m"}
+    status, _ = await router.post(LOAD, "/v1/load_lora_adapter")
+    assert status == 200 and d2.loras == {"sql": LOAD["lora_path"]} and d1.lora_loads == []
+    assert (await models(router))["sql"] == LOAD["lora_path"]

@@ -13,8 +13,9 @@ both need the adapter: prefill computes the prompt's KV with it, decode the toke
 - **Requests go only where the adapter is.** A request whose ``body.model`` is a remembered
   adapter is sent to instances holding it; with no such prefill instance, decode computes the
   prompt itself (as when prefill is down); with no such decode instance, 503.
-- **``GET /v1/models``** lists a remembered adapter only when every healthy instance holds it,
-  so the dispatch task's "already loaded?" check cannot skip a fan-out that is still needed.
+- **``GET /v1/models``** lists an adapter only when the router loaded it and every healthy
+  instance holds it, so the dispatch task's "already loaded?" check cannot skip a fan-out that
+  is still needed (an adapter some instance got behind the router's back is not listed).
 """
 
 from __future__ import annotations
@@ -100,20 +101,26 @@ class RouterAdapters:
         return 200, {"loaded": name, "instances": len(healthy)}
 
     def filter_models(self, payload: bytes, backends: list[Backend]) -> bytes:
-        """An instance's model list without router adapters some healthy instance lacks."""
-        if not self.wanted:
-            return payload
+        """An instance's model list without the adapters the router cannot serve everywhere.
+
+        An adapter card (vLLM gives it a ``parent``) stays only when this router loaded that
+        adapter and every healthy instance holds it. One loaded on a single instance behind the
+        router's back is not servable through it (the router does not route by it), and listing
+        it would let a dispatch task's "already loaded?" check skip the load that fans it out."""
         try:
             listing = orjson.loads(payload)
             cards = listing["data"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return payload
         healthy = [b for b in backends if b.healthy]
-        listing["data"] = [
-            c for c in cards
-            if not (isinstance(c, dict) and c.get("id") in self.wanted
-                    and any(b.adapters.get(c["id"]) != self.wanted[c["id"]] for b in healthy))
-        ]
+
+        def servable(card: Any) -> bool:
+            if not isinstance(card, dict) or not card.get("parent"):
+                return True  # a base model
+            path = self.wanted.get(card.get("id"))
+            return path is not None and all(b.adapters.get(card["id"]) == path for b in healthy)
+
+        listing["data"] = [c for c in cards if servable(c)]
         return orjson.dumps(listing)
 
 
