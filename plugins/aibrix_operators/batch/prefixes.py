@@ -146,9 +146,8 @@ def grouping_order(
         keys.append(rank[models])
     shared_any = np.zeros(n, dtype=bool)
     deepest = np.full(n, -1, dtype=np.int64)  # the group each request shares at its deepest level
+    # columns() stops at the first level no prompt reaches (the levels only grow).
     for column in signatures.columns() if by_prefix else ():
-        if n == 0 or not column.any():
-            break  # no request is this long (nor longer: the levels only grow)
         if not _repeats(column):
             # Deeper levels extend these prefixes (the hashes are chained), so they share
             # nothing either. Asked with one in-place sort, not np.unique's index arrays: for a

@@ -564,7 +564,7 @@ class _Sender:
         # could not reach): the line goes to the submitter without them.
         body = scrub_json(body)
         code, message = _error_of(status, body)
-        if status == 404 and _model_not_served(body):
+        if status == 404 and _names_an_unknown_model(body):
             # Validation lets through only the batch's model and the deployment's adapters of it,
             # so a server that does not know the model has lost it (restarted without the LoRA
             # adapters loaded at run time, or replaced): the endpoint's fault. Retried; when the
@@ -630,7 +630,7 @@ def _parse_error_body(raw: bytes) -> Any:
 _ASK_THE_HEALTH_CHECK = frozenset({RequestError.CONNECTION_ERROR, RequestError.MODEL_NOT_LOADED})
 
 
-def _model_not_served(body: Any) -> bool:
+def _names_an_unknown_model(body: Any) -> bool:
     """A 404 that says the model is unknown: vLLM's ``NotFoundError`` on ``param: model``, or
     OpenAI's ``model_not_found``."""
     detail = body.get("error") if isinstance(body, dict) else None

@@ -117,8 +117,7 @@ class RouterAdapters:
         def servable(card: Any) -> bool:
             if not isinstance(card, dict) or not card.get("parent"):
                 return True  # a base model
-            path = self.wanted.get(card.get("id"))
-            return path is not None and all(b.adapters.get(card["id"]) == path for b in healthy)
+            return self.lacking(card.get("id"), healthy) == set()  # None: not loaded through us
 
         listing["data"] = [c for c in cards if servable(c)]
         return orjson.dumps(listing)
