@@ -160,3 +160,44 @@ def test_scheduler_lookahead_is_off_by_default_and_without_l2(tmp_path) -> None:
     for sched in (off, no_l2):
         sched.on_new_request("r1", _prompt(1, 2))
         assert sched.line.depth == 0 and sched.build_meta(STEP, {}).prefetch == []
+
+
+def test_an_l2_outage_during_a_prefetch_loses_no_slot_and_a_later_prefetch_stores(redis_server) -> None:
+    """Redis killed before the fetch: the chunks are reported not stored (counted failed), every
+    slot goes back. Redis back (empty: it keeps nothing on disk) and written again, the next
+    prefetch gets them into L1 with the producer's bytes."""
+    from kvcache.tiers import RedisStore
+
+    def store() -> RedisStore:
+        return RedisStore(redis_server.url, timeout_s=0.5, retry_s=0.0)
+
+    def produce() -> dict[str, torch.Tensor]:
+        prod, kv_p = _worker({}, store())
+        for t in kv_p.values():
+            t[0], t[1] = torch.randn(HEADS, BS, DIM2), torch.randn(HEADS, BS, DIM2)
+        saves = [ChunkTransfer("c0", [(0, 0)]), ChunkTransfer("c1", [(0, 1)])]
+        with torch.inference_mode():
+            _step(prod, KVCacheStepMetadata(saves=saves, chunk_tokens=BS))
+        assert prod.writer is not None and prod.writer.flush()
+        prod.shutdown()
+        return kv_p
+
+    produce()
+    w, kv = _worker({"lookahead_requests": 2}, store())
+    failed = metrics.LOOKAHEAD_CHUNKS.labels("failed")._value.get()
+    redis_server.stop()
+    with torch.inference_mode():
+        _step(w, KVCacheStepMetadata(prefetch=[["c0", "c1"]], chunk_tokens=BS))
+        seen = _reports_until(w, {"c0", "c1"})
+        assert seen.stored == set() and w.slab is not None and w.slab.slots_in_use == 0
+        assert metrics.LOOKAHEAD_CHUNKS.labels("failed")._value.get() - failed == 1  # then c1 skipped
+        redis_server.start()
+        kv_p = produce()
+        _step(w, KVCacheStepMetadata(prefetch=[["c0", "c1"]], chunk_tokens=BS))
+        assert _reports_until(w, {"c0", "c1"}).stored == {"c0", "c1"}
+        l1 = _hits("l1")
+        load = KVCacheStepMetadata(loads=[ChunkTransfer("c1", [(0, 9)], "r")], chunk_tokens=BS)
+        assert _step(w, load) == set()
+    assert _hits("l1") - l1 == 1
+    assert all(torch.equal(tc[9], tp[1]) for tp, tc in zip(kv_p.values(), kv.values(), strict=True))
+    w.shutdown()
