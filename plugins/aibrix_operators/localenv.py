@@ -16,6 +16,9 @@ from aibrix_operators.airflow_recovery import RECOVERY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / ".work"
+# Airflow's LocalExecutor, keeping parallelism and deadline order (slot_keeping_executor.py); the
+# Airflow image and the compose stack name the same class.
+EXECUTOR = "aibrix_operators.slot_keeping_executor.SlotKeepingLocalExecutor"
 
 
 def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str]:
@@ -27,7 +30,7 @@ def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__EXECUTOR": EXECUTOR,
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__API__EXPOSE_CONFIG": "False",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from aibrix_operators.localenv import EXECUTOR
+
 REPO = Path(__file__).resolve().parents[2]
 ONE_SHOT = {"airflow-init", "s3-init", "models"}  # run to completion; others wait for success
 
@@ -30,7 +32,7 @@ def test_the_stack_is_complete(services):
     assert services["vllm-gpu"]["profiles"] == ["gpu"]
     airflow = services["airflow-scheduler"]["environment"]
     assert airflow["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://")
-    assert airflow["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    assert airflow["AIRFLOW__CORE__EXECUTOR"] == EXECUTOR
     assert all(s.get("command") != ["standalone"] for s in services.values())
 
 

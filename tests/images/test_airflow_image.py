@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from aibrix_operators.airflow_recovery import RECOVERY_ENV
+from aibrix_operators.localenv import EXECUTOR
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
@@ -30,7 +31,10 @@ def inside(airflow_image):
         " echo '@@plugins'; airflow plugins -o json;"
         " echo '@@package'; python -c 'import aibrix_operators, kvcache; print(aibrix_operators.__file__)';"
         " echo '@@recovery'; for key in " + " ".join(RECOVERY_KEYS) + "; do"
-        " printf '%s=' $key; airflow config get-value scheduler $key 2>/dev/null | tail -1; done"
+        " printf '%s=' $key; airflow config get-value scheduler $key 2>/dev/null | tail -1; done;"
+        " echo '@@executor'; airflow config get-value core executor 2>/dev/null | tail -1;"
+        " python -c 'from airflow.executors.executor_loader import ExecutorLoader as L;"
+        " print(type(L.get_default_executor()).__name__)'"
     )
     proc = run(airflow_image, "-c", script, flags=BASH, timeout=600)
     assert proc.returncode == 0, (
@@ -76,6 +80,11 @@ def test_the_image_notices_a_lost_scheduler_within_a_minute(inside):
     # The values Airflow itself reads in the image, against the ones the tests run with.
     found = dict(line.split("=", 1) for line in inside["recovery"].splitlines() if "=" in line)
     assert found == {k: RECOVERY_ENV[f"AIRFLOW__SCHEDULER__{k.upper()}"] for k in RECOVERY_KEYS}
+
+
+def test_the_image_runs_tasks_on_the_slot_keeping_executor(inside):
+    # Named in the image's config, and the class Airflow's loader builds from that name.
+    assert inside["executor"].splitlines()[-2:] == [EXECUTOR, "SlotKeepingLocalExecutor"], inside["executor"]
 
 
 def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,17 @@ def chat_requests(n: int, model: str = SERVED_NAME, max_tokens: int = 8) -> list
                   "messages": [{"role": "user", "content": f"item {i}: summarize the batch pipeline"}]}}
         for i in range(n)
     ]
+
+
+def most_at_once(intervals: list[tuple[str, str]]) -> int:
+    """The most intervals open at one instant (ISO timestamps; an end before a start at a tie)."""
+    events = sorted([(datetime.fromisoformat(start), 1) for start, _ in intervals]
+                    + [(datetime.fromisoformat(end), -1) for _, end in intervals])
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
 
 
 def read_jsonl(text: str) -> list[dict]:

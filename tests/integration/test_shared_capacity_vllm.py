@@ -165,7 +165,7 @@ def test_three_batches_submitted_together_finish_in_deadline_order(
     one, then the relaxed one, in shared mode against the priority-scheduled server. A fourth
     run that asks for dedicated mode on that shared endpoint fails with its reason."""
     from aibrix_operators.local_airflow import start_airflow
-    from tests.integration.conftest import chat_requests, read_jsonl, write_jsonl
+    from tests.integration.conftest import chat_requests, most_at_once, read_jsonl, write_jsonl
 
     home = tmp_path / "airflow"
     env = {**airflow_session_env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__PARALLELISM": "1",
@@ -200,8 +200,17 @@ def test_three_batches_submitted_together_finish_in_deadline_order(
             path = f"/api/v2/dags/batch_inference/dagRuns/{runs[name]}/taskInstances/merge"
             ti = deployment.api("GET", path, token=token)
             merged_at[name] = ti["end_date"]
+        handed_out = []  # from queued (handed to the executor) to the end, every task of every run
+        for run_id in runs.values():
+            tis = deployment.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}/taskInstances",
+                                 token=token)["task_instances"]
+            handed_out += [(t["queued_when"], t["end_date"]) for t in tis if t["queued_when"]]
     finally:
         deployment.stop()
+    # One slot: a task is handed to the executor only once the one before it has ended, so the
+    # scheduler chooses among all waiting tasks by weight (slot_keeping_executor.py). Airflow's
+    # own LocalExecutor handed out every schedulable task at once, first come first served.
+    assert most_at_once(handed_out) == 1, sorted(handed_out)
     assert states == {"relaxed": "success", "moderate": "success", "tight": "success",
                       "insists_dedicated": "failed"}
     assert sorted(merged_at, key=merged_at.get) == ["tight", "moderate", "relaxed"], merged_at

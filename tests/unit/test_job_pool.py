@@ -4,7 +4,7 @@ and where each value lands (DAG params, the Batch API's conf, the driver pod, th
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +28,14 @@ from aibrix_operators.client.batch_client import pool_request
 from aibrix_operators.client.errors import ExitCode, PoolConfigError
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.pipeline import BATCH_PARAMS
-from aibrix_operators.operators.shard_turns import ENDED_STATES, shards_to_wait_for, wait_for_turn
+from aibrix_operators.operators.shard_turns import (
+    CHECK_AT_MOST_EVERY_S,
+    ENDED_STATES,
+    MIN_CHECK_S,
+    next_check_s,
+    shards_to_wait_for,
+    wait_for_turn,
+)
 from aibrix_operators.operators.step_errors import step_error_code
 from aibrix_operators.settings.job_pool import job_pool_limits
 
@@ -189,8 +196,17 @@ def test_a_shard_whose_turn_has_not_come_is_rescheduled_not_failed() -> None:
     before = datetime.now(UTC)
     with pytest.raises(AirflowRescheduleException) as exc:
         wait_for_turn(late, 2)
-    assert late.asked == 1 and exc.value.reschedule_date > before
+    assert late.asked == 1 and exc.value.reschedule_date >= before + timedelta(seconds=MIN_CHECK_S)
     wait_for_turn(ti(4, 3), 2)  # its turn
+
+
+def test_checks_leave_the_executor_time_to_report_the_last_one() -> None:
+    """A check sooner than the executor's report of the previous check's end is failed by
+    Airflow's scheduler and costs a try (apache/airflow#71172; shard_turns.py): never under
+    MIN_CHECK_S, which must stay well above the 9.6 s lag measured here."""
+    assert MIN_CHECK_S >= 30
+    assert [next_check_s(m) for m in (1, 8, 9, 10, 30)] == [MIN_CHECK_S, MIN_CHECK_S, 45.0, 50.0,
+                                                            CHECK_AT_MOST_EVERY_S]
 
 
 @settings(max_examples=300, deadline=None)
