@@ -159,6 +159,12 @@ class FaultServer:
         if name in ("500", "503"):
             return web.json_response(_error(None, f"server error {name}", "server_error"), status=int(name),
                                      headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "404model":  # vLLM when the adapter went between its model check and its lookup
+            body = {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError",
+                              "param": None, "code": 404}}
+            return web.json_response(body, status=404, headers={"x-request-id": f"rq-{cid}-{attempt}"})
+        if name == "404route":  # a path the server does not serve (FastAPI's own 404)
+            return web.json_response({"detail": "Not Found"}, status=404)
         if name == "400":
             return web.json_response(_error("invalid_value", "messages must not be empty"), status=400,
                                      headers={"x-request-id": f"rq-{cid}-{attempt}"})

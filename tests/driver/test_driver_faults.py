@@ -155,6 +155,22 @@ async def test_non_retryable_4xx_is_sent_once(tmp_path, fault_server, make_reque
     assert all(r["response"]["status_code"] == 400 for r in results.values())
 
 
+async def test_a_404_for_a_model_the_server_lost_is_retried_not_the_requests_error(
+    tmp_path, fault_server, make_request
+):
+    """vLLM answers 404 "The model `m` does not exist." without ``param`` when a LoRA adapter is
+    unloaded between its model check and its adapter lookup: the server's loss, retried (a
+    suite run turned 4 such requests into error lines). A 404 for a path is the request's own."""
+    records = [make_request(f"lost-{i}", "404model", "ok") for i in range(3)]
+    records += [make_request("route", "404route", "ok")]
+    records += [make_request(f"ok-{i}", "slow:0.01") for i in range(20)]
+    outcome, results = await run(tmp_path, fault_server, records, max_attempts=5)
+    assert all(results[f"lost-{i}"]["error"] is None for i in range(3))
+    assert {fault_server.count(f"lost-{i}") for i in range(3)} == {2}
+    assert results["route"]["response"]["status_code"] == 404 and fault_server.count("route") == 1
+    assert outcome.failed == 1 and outcome.retries == 3
+
+
 async def test_retry_after_is_honoured(tmp_path, fault_server, make_request):
     records = [make_request("ra", "429ra:0.4", "ok"), make_request("no-ra", "429", "ok")]
     outcome, results = await run(tmp_path, fault_server, records)
