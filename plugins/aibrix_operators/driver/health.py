@@ -7,9 +7,8 @@ endpoint is the problem: the breaker opens, every worker stops sending, and one
 probe (the preflight's health check) polls the endpoint until it answers again.
 Attempts that failed during an outage are not charged to their requests.
 
-When a request has used its retries and nobody else was answered meanwhile (the
-last requests of a shard have no one else), :meth:`EndpointHealth.check` decides:
-if the endpoint passes its health check, the failure is the request's own.
+When a request has used its retries, :meth:`EndpointHealth.check` decides: if the
+endpoint passes its health check, the failure is the request's own.
 
 If the endpoint gives no successful answer for ``outage_budget_s``, the shard
 fails with :class:`EndpointOutage` *without* checkpointing the unanswered
@@ -47,8 +46,7 @@ class EndpointHealth:
         self.outage_budget_s = outage_budget_s
         self.probe_interval_s = probe_interval_s
         self.endpoint = endpoint
-        # Successful answers so far: a request compares it across its own attempts to learn
-        # whether the endpoint served others while it kept failing.
+        # Successful answers so far: the probe loop restarts the outage clock when it grows.
         self.successes = 0
         self.outages = 0
         # The last request the endpoint answered, as (url, body): the probe replays it.

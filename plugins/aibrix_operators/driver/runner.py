@@ -385,8 +385,6 @@ class _Sender:
         cfg, health, limiter = self.config, self.health, self.limiter
         charged = 0  # failed attempts charged to this request
         attempts = 0
-        # health.successes at the start of the previous and of the current attempt
-        prev_mark = cur_mark = health.successes
         last: _Failure | None = None
         while True:
             # The hot path is two attribute checks; the waits are only for the rare cases.
@@ -398,7 +396,6 @@ class _Sender:
                 return _expired(custom_id, last)
             if limiter is not None and not limiter.try_acquire() and not await self._wait_for_permit():
                 return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
-            prev_mark, cur_mark = cur_mark, health.successes
             attempts += 1
             # The request inline, not in a helper coroutine: this runs once per request. A
             # redirect is the endpoint's answer, never a place to send the body (and the key).
@@ -431,15 +428,12 @@ class _Sender:
             if not result.backpressure:
                 charged += 1
                 if charged >= cfg.max_attempts:
-                    # Its own fault if the endpoint answered others meanwhile, or passes its
-                    # health check now; otherwise the endpoint is down and nothing is charged.
-                    # A connection that failed is asked of the health check always: others'
-                    # answers may have finished just as the endpoint went down (a clean-clone run
-                    # on a loaded machine turned an outage into an error line that way).
-                    # So is a lost model: requests already running when the server lost it finish.
-                    answered_meanwhile = health.successes > (prev_mark if charged > 1 else cur_mark)
-                    if answered_meanwhile and result.code not in _ASK_THE_HEALTH_CHECK:
-                        return result.as_record(custom_id, attempts)
+                    # Its own fault if the endpoint passes its health check now; otherwise the
+                    # endpoint is down and nothing is charged. Others' answers meanwhile prove
+                    # nothing: requests already running when the endpoint went down (a 503 storm,
+                    # a lost connection or model) still finish, and on a loaded machine all of a
+                    # request's attempts fit in that moment (clean-clone runs turned outages into
+                    # error lines that way, three times).
                     problem = await health.check()
                     if problem is None:
                         return result.as_record(custom_id, attempts)
@@ -626,9 +620,6 @@ def _parse_error_body(raw: bytes) -> Any:
     except JSONDecodeError:
         return raw[:2000].decode("utf-8", "replace")
 
-
-# Failures judged by the health check even when the endpoint answered others meanwhile.
-_ASK_THE_HEALTH_CHECK = frozenset({RequestError.CONNECTION_ERROR, RequestError.MODEL_NOT_LOADED})
 
 
 def _names_an_unknown_model(body: Any) -> bool:
