@@ -319,3 +319,32 @@ async def test_a_cancel_before_the_shard_starts_sends_nothing(tmp_path, fault_se
     assert outcome.cancelled and (outcome.completed, outcome.failed) == (0, 30)
     summary, obj = finalize_batch(storage, batch, [shard], work)
     assert obj.status == "cancelled" and summary.error_codes == {"batch_cancelled": 30}
+
+
+async def test_a_request_failing_as_the_endpoint_goes_down_is_an_outage_not_its_error(
+    tmp_path, fault_server, make_request
+):
+    """Request x's attempts are slow 503s; the others are answered through its first two, and
+    the endpoint goes down (a storm) during its third. That others were answered meanwhile does
+    not make x's failure its own: the health check, failing in the storm, makes it an outage."""
+    storage = LocalStorage()
+    x = make_request("x", "503@0.3", "503@0.3", "503@0.3", "ok")  # storm replies are not attempts
+    records = [x] + [make_request(f"o-{i:03d}", "slow:0.05") for i in range(300)]
+    shard = write_shard(tmp_path, records)
+    prefix = str(tmp_path / "results")
+
+    async def storm_during_the_third_attempt() -> None:
+        while fault_server.count("x") < 3:
+            await asyncio.sleep(0.005)
+        fault_server.storm = 503
+
+    task = asyncio.create_task(storm_during_the_third_attempt())
+    with pytest.raises(EndpointOutage):
+        await run_shard(storage, shard, prefix,
+                        config(fault_server, concurrency=8, outage_budget_s=1.0, probe_interval_s=0.1))
+    await task
+    stored = results_by_id(storage, prefix, shard)
+    assert "x" not in stored and [r for r in stored.values() if r["error"]] == []
+    fault_server.storm = None
+    outcome = await run_shard(storage, shard, prefix, config(fault_server, concurrency=8))
+    assert outcome.failed == 0 and results_by_id(storage, prefix, shard)["x"]["error"] is None
