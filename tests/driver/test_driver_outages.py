@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Awaitable
 
 import pytest
 
@@ -95,23 +96,30 @@ async def test_outage_past_budget_fails_task_then_retry_completes(tmp_path, faul
     assert len(results) == 300 and all(r["error"] is None for r in results.values())
 
 
+async def run_into_a_storm(fault_server, storage, shard: str, prefix: str, storm_after: Awaitable[None],
+                           outage_budget_s: float) -> None:
+    """Run the shard; once ``storm_after`` is done the server answers 503 to everything, and the
+    shard must end in EndpointOutage."""
+
+    async def storm() -> None:
+        await storm_after
+        fault_server.storm = 503
+
+    task = asyncio.create_task(storm())
+    with pytest.raises(EndpointOutage):
+        await run_shard(storage, shard, prefix, config(fault_server, concurrency=8,
+                                                       outage_budget_s=outage_budget_s, probe_interval_s=0.1))
+    await task
+
+
 async def test_503_storm_for_every_request_is_an_outage_not_error_lines(tmp_path, fault_server, make_request):
     # A gateway whose backends are gone: 503 for everything, though the gateway itself is up.
     storage = LocalStorage()
     records = [make_request(f"g-{i:03d}", "slow:0.01") for i in range(200)]
     shard = write_shard(tmp_path, records)
     prefix = str(tmp_path / "results")
-    log = shard_result_log(storage, prefix, shard)
-
-    async def storm() -> None:
-        await first_checkpoint(log)
-        fault_server.storm = 503
-
-    task = asyncio.create_task(storm())
-    with pytest.raises(EndpointOutage):
-        await run_shard(storage, shard, prefix,
-                        config(fault_server, concurrency=8, outage_budget_s=1.5, probe_interval_s=0.1))
-    await task
+    await run_into_a_storm(fault_server, storage, shard, prefix,
+                           first_checkpoint(shard_result_log(storage, prefix, shard)), outage_budget_s=1.5)
     stored = results_by_id(storage, prefix, shard)
     assert 0 < len(stored) < 200 and all(r["error"] is None for r in stored.values())
     fault_server.storm = None
@@ -333,16 +341,11 @@ async def test_a_request_failing_as_the_endpoint_goes_down_is_an_outage_not_its_
     shard = write_shard(tmp_path, records)
     prefix = str(tmp_path / "results")
 
-    async def storm_during_the_third_attempt() -> None:
+    async def third_attempt_sent() -> None:
         while fault_server.count("x") < 3:
             await asyncio.sleep(0.005)
-        fault_server.storm = 503
 
-    task = asyncio.create_task(storm_during_the_third_attempt())
-    with pytest.raises(EndpointOutage):
-        await run_shard(storage, shard, prefix,
-                        config(fault_server, concurrency=8, outage_budget_s=1.0, probe_interval_s=0.1))
-    await task
+    await run_into_a_storm(fault_server, storage, shard, prefix, third_attempt_sent(), outage_budget_s=1.0)
     stored = results_by_id(storage, prefix, shard)
     assert "x" not in stored and [r for r in stored.values() if r["error"]] == []
     fault_server.storm = None

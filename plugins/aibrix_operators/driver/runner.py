@@ -621,7 +621,6 @@ def _parse_error_body(raw: bytes) -> Any:
         return raw[:2000].decode("utf-8", "replace")
 
 
-
 def _names_an_unknown_model(body: Any) -> bool:
     """A 404 that says the model is unknown: OpenAI's ``model_not_found``, or vLLM's
     ``NotFoundError`` on ``param: model``, or the same without ``param``. vLLM answers the last
