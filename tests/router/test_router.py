@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from aibrix_operators.router.admin import AdminPolicy
 from aibrix_operators.router.app import CHECKER, POOL, build_app
 from aibrix_operators.router.backends import DECODE, PREFILL, Backend
 from aibrix_operators.router.load import parse_load
@@ -26,8 +27,9 @@ class Router:
         self.session = session
         self.url = str(server.make_url("")).rstrip("/")
 
-    async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
-        async with self.session.post(self.url + path, json=body) as r:
+    async def post(self, body: dict, path: str = "/v1/completions",
+                   headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        async with self.session.post(self.url + path, json=body, headers=headers) as r:
             return r.status, json.loads(await r.read())
 
     async def refresh(self) -> None:
@@ -43,7 +45,8 @@ async def make_router() -> AsyncIterator[Callable[..., object]]:
     made: list[tuple[TestServer, aiohttp.ClientSession, list[StubBackend]]] = []
 
     async def make(prefill: list[StubBackend], decode: list[StubBackend], sets: dict[str, str] | None = None,
-                   extra: list[Backend] | None = None) -> Router:  # fmt: skip
+                   extra: list[Backend] | None = None,
+                   admin: AdminPolicy | None = None) -> Router:  # fmt: skip
         sets = sets or {}
         for stub in (*prefill, *decode):
             if stub.server is None:
@@ -51,7 +54,8 @@ async def make_router() -> AsyncIterator[Callable[..., object]]:
         backends = [Backend(s.url, PREFILL, sets.get(s.name, "")) for s in prefill]
         backends += [Backend(s.url, DECODE, sets.get(s.name, "")) for s in decode]
         # A long interval: the tests refresh the pool explicitly when they change a stub.
-        server = TestServer(build_app(backends + list(extra or []), health_interval_s=3600), host="127.0.0.1")
+        server = TestServer(build_app(backends + list(extra or []), health_interval_s=3600, admin=admin),
+                            host="127.0.0.1")
         await server.start_server()
         session = aiohttp.ClientSession()
         made.append((server, session, [*prefill, *decode]))

@@ -11,12 +11,18 @@ ROUTER = REPO / "plugins" / "aibrix_operators" / "router"
 IMAGE = REPO / "inference_images" / "router"
 # import name -> distribution name in requirements.txt
 DISTRIBUTIONS = {"aiohttp": "aiohttp", "orjson": "orjson", "prometheus_client": "prometheus-client",
-                 "uvloop": "uvloop"}  # fmt: skip
+                 "uvloop": "uvloop", "yaml": "PyYAML"}  # fmt: skip
 
 
 def third_party_imports() -> set[str]:
-    found = set()
-    for path in ROUTER.glob("*.py"):
+    """What the router's modules import, and the package modules they import (the registry)."""
+    found: set[str] = set()
+    todo, seen = list(ROUTER.glob("*.py")), set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -24,7 +30,11 @@ def third_party_imports() -> set[str]:
                 names = [node.module]
             else:
                 continue
-            found |= {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"__future__"}
+            for name in names:
+                if name.startswith("aibrix_operators."):
+                    todo.append(REPO / "plugins" / (name.replace(".", "/") + ".py"))
+            found |= {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"__future__",
+                                                                                        "aibrix_operators"}
     return found
 
 

@@ -36,7 +36,7 @@ from aibrix_operators.driver.health import EndpointHealth
 from aibrix_operators.driver.metrics import COLLECTOR as METRICS
 from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve_from_env
 from aibrix_operators.driver.preflight import probe_endpoint
-from aibrix_operators.driver.priority import prioritized_body
+from aibrix_operators.driver.priority import DEDICATED_PRIORITY, prioritized_body
 from aibrix_operators.driver.progress import ProgressReporter
 from aibrix_operators.driver.results import ResultLog, fingerprint_shard
 from aibrix_operators.driver.retry import (
@@ -373,7 +373,8 @@ class _Sender:
         # Shared mode: the endpoint's limiter (shared by every shard sending there) and priority.
         self.capacity = counters.capacity
         self.limiter = counters.capacity.limiter if counters.capacity is not None else None
-        self.priority = config.capacity.batch_priority if config.capacity is not None else None
+        self.priority = (config.capacity.batch_priority if config.capacity is not None
+                         else DEDICATED_PRIORITY)  # never the line's own (priority.py)
         self.deadline_key = config.deadline if config.deadline is not None else float("inf")
 
     async def send(self, record: dict[str, Any]) -> dict[str, Any]:

@@ -4,9 +4,11 @@ A batch's dispatch task loads its adapter with ``POST /v1/load_lora_adapter`` on
 is given (docs/lora.md). Behind the router that endpoint is many instances of two roles, and
 both need the adapter: prefill computes the prompt's KV with it, decode the tokens. So:
 
-- **Load fans out.** The router remembers the adapter (name and folder) and loads it on every
-  healthy instance, asking each ``GET /v1/models`` first: an instance that already serves that
-  folder is left alone. The answer is 200 only when every healthy instance holds it.
+- **Load fans out.** The router loads the adapter (name and folder) on every healthy instance,
+  asking each ``GET /v1/models`` first: an instance that already serves that folder is left
+  alone. The answer is 200 only when every healthy instance holds it, and only then does the
+  router remember it: a failed load changes no routing (the caller's retry loads it again).
+  Who may load, and which names and folders, is the admin policy's (``admin.py``).
 - **New and restarted instances catch up.** The health loop syncs the remembered adapters onto
   an instance before it counts as healthy again (a restarted vLLM has lost adapters loaded at
   run time).
@@ -55,24 +57,38 @@ class RouterAdapters:
             return None
         return {b.url for b in backends if b.adapters.get(model) != path}
 
-    async def _served(self, backend: Backend) -> dict[str, str]:
+    async def _cards(self, backend: Backend) -> list[dict[str, Any]]:
         async with self.session.get(backend.url + "/v1/models", timeout=self.timeout) as r:
             if r.status != 200:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
                                                   message="GET /v1/models")
             listing = orjson.loads(await r.read())
         cards = listing.get("data", []) if isinstance(listing, dict) else []
-        return {c["id"]: str(c.get("root") or "") for c in cards if isinstance(c, dict) and "id" in c}
+        return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
-    async def sync(self, backend: Backend, only: str | None = None) -> LoadOutcome:
-        """Load the wanted adapters (or just ``only``) the instance lacks; record what it holds."""
+    async def base_models(self, backends: list[Backend]) -> set[str]:
+        """The names the healthy instances serve as base models (cards without a ``parent``)."""
+        names: set[str] = set()
+        for backend in backends:
+            if not backend.healthy:
+                continue
+            try:
+                names |= {c["id"] for c in await self._cards(backend) if not c.get("parent")}
+            except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
+                continue  # the load itself reports an instance that does not answer
+        return names
+
+    async def sync(self, backend: Backend, only: tuple[str, str] | None = None) -> LoadOutcome:
+        """Load the remembered adapters the instance lacks, or just ``only`` (name, folder: a load
+        not remembered yet); record what it holds."""
         lock = self._locks.setdefault(backend.url, asyncio.Lock())
+        wanted = dict([only]) if only is not None else dict(self.wanted)
         async with lock:
             try:
-                served = await self._served(backend)
-                backend.adapters = {n: p for n, p in served.items() if n in self.wanted}
-                for name, path in list(self.wanted.items()):
-                    if (only is not None and name != only) or served.get(name) == path:
+                served = {c["id"]: str(c.get("root") or "") for c in await self._cards(backend)}
+                backend.adapters = {n: p for n, p in served.items() if n in self.wanted or n in wanted}
+                for name, path in wanted.items():
+                    if served.get(name) == path:
                         continue
                     body = {"lora_name": name, "lora_path": path, "load_inplace": name in served}
                     async with self.session.post(backend.url + "/v1/load_lora_adapter",
@@ -88,16 +104,18 @@ class RouterAdapters:
         return LoadOutcome(True, f"{backend.role} {backend.url}")
 
     async def load(self, name: str, path: str, backends: list[Backend]) -> tuple[int, dict[str, Any]]:
-        """The router's ``POST /v1/load_lora_adapter``: remember, then load on every healthy instance."""
-        self.wanted[name] = path
+        """The router's ``POST /v1/load_lora_adapter`` (already authorized and checked against the
+        registry): load on every healthy instance, then remember. A failed load is not
+        remembered, so it changes no routing and no instance gets it from the health loop."""
         healthy = [b for b in backends if b.healthy]
         if not healthy:
             return 503, _error("no healthy instance to load the adapter on", "no_instance")
-        outcomes = await asyncio.gather(*(self.sync(b, only=name) for b in healthy))
+        outcomes = await asyncio.gather(*(self.sync(b, only=(name, path)) for b in healthy))
         failed = [o.detail for o in outcomes if not o.ok]
         if failed:
             return 502, _error(f"LoRA adapter {name!r} did not load on {len(failed)} of {len(healthy)} "
                                f"instance(s): {'; '.join(failed)}", "lora_load_failed")
+        self.wanted[name] = path
         return 200, {"loaded": name, "instances": len(healthy)}
 
     def filter_models(self, payload: bytes, backends: list[Backend]) -> bytes:

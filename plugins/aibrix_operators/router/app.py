@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 
 from .adapters import RouterAdapters
+from .admin import TOKEN_HEADER, AdminPolicy
 from .admission import Admission
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK, PrefixAffinity
 from .backends import DECODE, PREFILL, Backend, BackendPool
@@ -38,7 +39,9 @@ def build_app(
     affinity_entries: int = DEFAULT_ENTRIES,
     affinity_slack: float = DEFAULT_SLACK,
     admission: Admission | None = None,
+    admin: AdminPolicy | None = None,
 ) -> web.Application:
+    admin = admin or AdminPolicy()  # no token: the admin routes are off
     app = web.Application(client_max_size=64 << 20)
     pool = BackendPool(backends)
     metrics = RouterMetrics()
@@ -119,6 +122,10 @@ def build_app(
         return openai_error(503, "no healthy instance", "no_instance")
 
     async def load_lora_adapter(request: web.Request) -> web.StreamResponse:
+        # Authorized before a byte of the body is read.
+        refusal = admin.authorize(request.headers.get(TOKEN_HEADER))
+        if refusal is not None:
+            return openai_error(refusal.status, refusal.message, refusal.code, "invalid_request_error")
         try:
             body = orjson.loads(await request.read())
             name, path = body["lora_name"], body["lora_path"]
@@ -127,6 +134,9 @@ def build_app(
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return openai_error(400, "send {\"lora_name\": ..., \"lora_path\": ...}", "invalid_request",
                                 "invalid_request_error")
+        refusal = admin.folder_of(name, path, await app[ADAPTERS].base_models(pool.backends))
+        if refusal is not None:
+            return openai_error(refusal.status, refusal.message, refusal.code, "invalid_request_error")
         status, answer = await app[ADAPTERS].load(name, path, pool.backends)
         return web.Response(status=status, body=orjson.dumps(answer), content_type="application/json")
 

@@ -15,8 +15,12 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
+
+from aibrix_operators.lora.registry import AdapterRegistryError, load_registry
 
 from . import serve
+from .admin import AdminConfigError, AdminPolicy, read_token
 from .admission import Admission
 from .affinity import DEFAULT_ENTRIES, DEFAULT_SLACK
 from .app import build_app
@@ -152,6 +156,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "forwarded batch request's slot (its upstream call is cancelled, so vLLM aborts it; the client "
         "gets 429 batch_shed and sends it again). Streamed answers are never taken back (default: on)",
     )
+    p.add_argument(
+        "--admin-token-file",
+        default=env("ROUTER_ADMIN_TOKEN_FILE") or None,
+        help="a file (a mounted Secret) with the token POST /v1/load_lora_adapter must carry in the "
+        "X-AIBrix-Admin-Token header; without it that route is off (docs/trust.md)",
+    )
+    p.add_argument(
+        "--lora-registry",
+        default=env("ROUTER_LORA_REGISTRY") or None,
+        help="the deployment's adapter registry ([aibrix_batch] lora_adapters): only its adapters load",
+    )
+    p.add_argument(
+        "--lora-cache-dir",
+        default=env("ROUTER_LORA_CACHE_DIR") or None,
+        help="the adapters' verified cache as the instances see it ([aibrix_batch] lora_cache_dir): "
+        "an adapter loads only from <dir>/<name>/<manifest digest>",
+    )
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
     if args.idle_timeout_s <= 0 or args.body_timeout_s <= 0:
@@ -164,7 +185,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--affinity-slack must be >= 0 and --affinity-entries >= 1")
     if not (args.decode or args.decode_dns):
         p.error("at least one decode instance (--decode or --decode-dns) is needed")
+    if bool(args.lora_registry) != bool(args.lora_cache_dir):
+        p.error("--lora-registry and --lora-cache-dir go together")
+    try:
+        args.admin = admin_from(args)
+    except (AdminConfigError, AdapterRegistryError) as exc:
+        p.error(str(exc))
     return args
+
+
+def admin_from(args: argparse.Namespace) -> AdminPolicy:
+    """The admin policy the flags describe; read once at startup, a bad file stops the router."""
+    token = read_token(args.admin_token_file) if args.admin_token_file else None
+    registry = Path(args.lora_registry) if args.lora_registry else None
+    if registry is not None:
+        load_registry(registry)  # a bad file stops the router now, not at the first load
+    cache_dir = Path(args.lora_cache_dir) if args.lora_cache_dir else None
+    return AdminPolicy(token=token, registry=registry, cache_dir=cache_dir)
 
 
 def admission_from(args: argparse.Namespace) -> Admission | None:
@@ -187,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(backends, health_interval_s=args.health_interval_s,
                     request_timeout_s=args.request_timeout_s, body_timeout_s=args.body_timeout_s, dns=dns,
                     prefix_affinity=args.prefix_affinity == "on", affinity_entries=args.affinity_entries,
-                    affinity_slack=args.affinity_slack, admission=admission_from(args))  # fmt: skip
+                    affinity_slack=args.affinity_slack, admission=admission_from(args),
+                    admin=args.admin)  # fmt: skip
     try:
         import uvloop
 
