@@ -514,3 +514,17 @@ def test_lora_runtime_component_enables_runtime_adapters_from_the_shared_cache(
                                         "readOnly": True}
         volumes = {v["name"]: v for v in t["spec"]["volumes"]}
         assert volumes["lora-cache"]["persistentVolumeClaim"] == {"claimName": "lora-cache", "readOnly": True}
+    # The router's admin route: the deployment's token and registry, nothing a client sends.
+    [router] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pd-router"]
+    spec = router["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    def volume_of(file: str) -> dict[str, Any]:
+        return volumes[mounts[file.rsplit("/", 1)[0]]]
+
+    assert volume_of(env["ROUTER_ADMIN_TOKEN_FILE"])["secret"]["secretName"] == "router-admin-token"
+    assert volume_of(env["ROUTER_LORA_REGISTRY"])["configMap"]["name"] == "lora-adapters"
+    assert env["ROUTER_LORA_CACHE_DIR"] == "/var/lib/aibrix/lora"  # where the vLLM pods see the cache
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
