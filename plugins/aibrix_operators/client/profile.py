@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -38,7 +38,9 @@ API_PATH = "/openai/v1"  # where the Airflow plugin mounts the Batch API
 @dataclass(frozen=True)
 class Connection:
     base_url: str
-    api_key: str
+    # Never in repr/str: a Connection in a log line, a traceback's locals or a debugger shows
+    # where the key came from (api_key_source), not the key.
+    api_key: str = field(repr=False)
     # Where each value came from ("--base-url", "AIBRIX_BATCH_BASE_URL", "profile local in …"),
     # so an auth or connection error can say which setting to fix.
     base_url_source: str
