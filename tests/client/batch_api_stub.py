@@ -74,9 +74,10 @@ class Handler(BaseHTTPRequestHandler):
         s = self.server
         self.path = self.path.removeprefix(PREFIX)
         if self.path.startswith("/v1/batches/"):
-            self._json(200, batch(s.status, s.lines))
+            self._json(200, batch(s.status, s.lines, **s.extra))
         elif self.path.startswith("/v1/batches"):
-            self._json(200, {"object": "list", "data": [batch(s.status, s.lines)], "first_id": BATCH_ID,
+            self._json(200, {"object": "list", "data": [batch(s.status, s.lines, **s.extra)],
+                             "first_id": BATCH_ID,
                              "last_id": BATCH_ID, "has_more": False})
         elif self.path == "/v1/files/file-out/content":
             self.send_response(200)
@@ -121,6 +122,7 @@ class Stub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.lines, self.width, self.status = lines, width, status
         self.uploaded: list[int] = []
+        self.extra: dict = {}  # fields the batch object is served with, over batch()'s (tests set it)
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -71,8 +73,13 @@ class BatchClient:
         if (input_file is None) == (input_file_id is None):
             raise InputFileError("give exactly one of input_file and input_file_id")
         if input_file is not None:
-            if endpoint is None and isinstance(input_file, str | os.PathLike):
-                endpoint = first_line_endpoint(Path(input_file))
+            if isinstance(input_file, str | os.PathLike):
+                given = endpoint
+                if endpoint is None:
+                    endpoint = first_line_endpoint(Path(input_file))
+                # Every line, before any byte is sent: a bad file is refused here (exit 2)
+                # instead of uploaded and failed by the server's validation seconds later.
+                check_input_file(input_file, given)
             input_file_id = self.upload(input_file, on_upload).id
         if endpoint is None:
             raise InputFileError("endpoint is required with input_file_id or a file object "
@@ -164,22 +171,45 @@ class BatchClient:
     def download(self, batch: Batch | str, path: str | os.PathLike[str], errors: bool = False,
                  on_progress: Callable[[int], None] | None = None) -> int:
         """Write the output (or error) file to ``path`` chunk by chunk; the bytes written.
-        Written to ``path.part`` and renamed, so a broken download never looks finished."""
+
+        Written to a part file of its own next to ``path`` (a random name, created exclusively:
+        never through a link someone left at a predictable name) and renamed onto ``path``
+        only when complete, so a broken download never looks finished; a failed one leaves
+        no part file behind."""
         target = Path(path)
-        part = target.with_name(target.name + ".part")
+        fd, part = create_part_file(target)
         written = 0
         try:
-            with open(part, "wb") as out:
+            with os.fdopen(fd, "wb") as out:
                 for chunk in self.result_chunks(batch, errors):
                     out.write(chunk)
                     written += len(chunk)
                     if on_progress is not None:
                         on_progress(written)
             os.replace(part, target)
-        finally:
-            if part.exists():
-                part.unlink()
+        except BaseException:
+            try:
+                os.unlink(part)
+            except FileNotFoundError:
+                pass
+            raise
         return written
+
+
+def create_part_file(target: Path) -> tuple[int, Path]:
+    """A new, empty file in ``target``'s folder for a download to ``target``: (fd, path).
+
+    O_CREAT|O_EXCL fails on anything already at the name, a symbolic link included (dangling
+    or not), and O_NOFOLLOW says so twice; the name is random, so no one can lay a link in
+    its way beforehand. Mode 0o666 less the umask: what ``open(target, "wb")`` would give."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(16):
+        part = target.with_name(f"{target.name}.{secrets.token_hex(8)}.part")
+        try:
+            return os.open(part, flags, 0o666), part
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a part file next to {target}: 16 random names were taken")
 
 
 def pool_request(pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any] | None:
@@ -222,6 +252,68 @@ def first_line_endpoint(path: Path) -> str:
     if not isinstance(request, dict) or not isinstance(request.get("url"), str):
         raise InputFileError(f"{path} line 1 has no \"url\"; {hint}")
     return request["url"]
+
+
+# Rules the deployment sets (its size limits, its LoRA adapters, which let lines name another
+# model): the local check cannot know them, so it leaves them to the server's validation.
+DEPLOYMENT_RULES = frozenset({"file_too_large", "line_too_large", "too_many_requests", "mismatched_model",
+                              "unknown_model"})
+# How to fix what the validator's message does not already say how to fix.
+FIXES = {
+    "missing_required_parameter": 'add it: each line is {"custom_id": "…", "method": "POST", '
+                                  '"url": "/v1/chat/completions", "body": {…}}',
+    "invalid_json_line": "make the line one JSON object (JSON Lines: one request per line, "
+                         "no line break inside a request)",
+    "duplicate_custom_id": "give each request its own custom_id",
+    "empty_file": "put one JSON request on each line",
+}
+SHOWN_ERRORS = 20  # listed in the error message; the rest are counted
+
+
+def check_input_file(path: str | os.PathLike[str], endpoint: str | None = None) -> int:
+    """Check every line of a batch file as the server will, before it is uploaded; the number
+    of requests. Raises InputFileError listing the bad lines (line number, what, how to fix).
+
+    The server's own validator (``batch/validation.py``, no Airflow), streamed: the file is
+    read line by line and never held; what grows with it is 16 bytes per request (the id
+    hashes that find duplicate custom_ids). Rules that depend on the deployment
+    (``DEPLOYMENT_RULES``) are left to the server. ``endpoint``: the batch's, when given
+    (else each line's url must be one the API serves, and all the same)."""
+    from aibrix_operators.batch.records import DEFAULT_MAX_LINE_BYTES
+    from aibrix_operators.batch.validation import ValidationLimits, validate_stream
+
+    path = Path(path)
+    # No size or count limit here (the deployment's are not known); a line over the default
+    # limit is skipped unread, so memory stays bounded, and left to the server.
+    limits = ValidationLimits(max_requests=2**62, max_file_bytes=2**62, max_line_bytes=DEFAULT_MAX_LINE_BYTES,
+                              max_reported_errors=1000)
+    try:
+        with open(path, "rb") as stream:
+            report = validate_stream(stream, endpoint, limits, reopen=lambda: open(path, "rb"))
+    except IsADirectoryError:
+        raise InputFileError(f"{path} is a directory; give a .jsonl batch file") from None
+    except FileNotFoundError:
+        raise InputFileError(f"{path} does not exist; give a .jsonl batch file") from None
+    except PermissionError:
+        raise InputFileError(f"cannot read {path}: permission denied") from None
+    found = [e for e in report.errors if e.code not in DEPLOYMENT_RULES]
+    if not found:
+        return report.total_requests
+    found.sort(key=lambda e: e.line or 0)
+    unlisted = report.error_count - len(report.errors)
+    lines = [f"{path} is not a valid batch file, so nothing was uploaded; fix "
+             f"{'this' if len(found) == 1 and not unlisted else 'these'} and run again:"]
+    for e in found[:SHOWN_ERRORS]:
+        where = f"line {e.line}" if e.line else "file"
+        param = f" ({e.param})" if e.param and e.param not in e.message else ""
+        fix = f"; {FIXES[e.code]}" if e.code in FIXES else ""
+        # The JSON parser counts within the one line it was given: "line 1 column 9" means column 9.
+        message = re.sub(r"line 1 column (\d+) \(char \d+\)", r"column \1", " ".join(e.message.split()))
+        lines.append(f"  {where}: {e.code}{param}: {message}{fix}")
+    more = len(found) - SHOWN_ERRORS + unlisted
+    if more > 0:
+        lines.append(f"  … and {more} more")
+    raise InputFileError("\n".join(lines))
 
 
 def _first_error(batch: Batch) -> str:

@@ -7,6 +7,7 @@ TTY), ``--json`` for scripts, one-line errors with the exit codes of ``errors.py
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.client.errors import ClientError, ExitCode, describe
 from aibrix_operators.client.profile import API_KEY_ENV, BASE_URL_ENV, CONFIG_ENV, PROFILE_ENV, resolve
-from aibrix_operators.client.progress import RateMeter, TransferBar, batch_progress
+from aibrix_operators.client.progress import RateMeter, TransferBar, batch_progress, request_tally
 
 PROG = "aibrix-batch"
 LARGE_FILE = 8 << 20  # uploads and downloads over this size get a bar (on a TTY)
@@ -39,9 +40,14 @@ connection (each value on its own: flag > environment > profile file):
 exit codes:
   0  done (for create --wait / status: the batch completed)
   1  the batch failed, expired or was cancelled (or has no results yet)
-  2  usage: bad flags, a bad input file, an id or request the API refused
+  2  usage: bad flags, a bad input file (every line is checked before upload;
+     nothing is sent), an id or request the API refused
   3  the Batch API is unreachable, failed, or refused the API key
   4  a bug in {PROG} (AIBRIX_BATCH_DEBUG=1 shows the traceback)
+
+counts: a cancelled or expired batch's "failed" (the API's) also holds the
+requests it left unanswered; shown as "N cancelled or failed" / "N expired or
+failed" beside "completed", not as failures of a 100% done batch.
 """
 
 
@@ -78,7 +84,8 @@ def build_parser() -> Parser:
                                 epilog=f"example:\n  {example}",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    create = verb("create", "upload a batch file and create its batch; prints the id and monitor URL",
+    create = verb("create", "check every line of a batch file, upload it and create its batch; prints the "
+                  "id and monitor URL (a bad line: exit 2, nothing uploaded)",
                   f"{PROG} create --input eval.jsonl --window 8h --metadata project=llama3-eval "
                   "--config pool.yaml --wait")
     create.add_argument("--input", "-i", required=True, metavar="FILE", help="OpenAI batch JSONL file")
@@ -133,11 +140,14 @@ class Out:
 
 
 def describe_batch(batch: Any) -> str:
-    counts = batch.request_counts
     lines = [f"{batch.id}  {batch.status}"]
-    if counts is not None:
-        lines.append(f"  requests   {counts.total} total, {counts.completed} completed, "
-                     f"{counts.failed} failed")
+    if batch.request_counts is not None:
+        tally = request_tally(batch)
+        lines.append(f"  requests   {tally.total} total, {tally.completed} completed, {tally.failed_words()}")
+        if tally.cut_off_by and tally.failed:
+            code = "batch_cancelled" if tally.cut_off_by == "cancelled" else "batch_expired"
+            lines.append(f"             (the API counts the requests left unanswered as failed; their "
+                         f"error lines have code {code})")
     lines.append(f"  endpoint   {batch.endpoint}  window {batch.completion_window}  "
                  f"input {batch.input_file_id}")
     if batch.metadata:
@@ -230,9 +240,14 @@ def cmd_status(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
 def cmd_list(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     if not 1 <= args.limit <= 100:
         raise ClientError("--limit must be between 1 and 100 (use --all for every batch)")
-    batches = client.list(limit=args.limit, all=args.all)
+    pages = iter(client.list(limit=args.limit, all=args.all))
+    # Nothing on stdout before the first page arrived: a refused key or a stopped server is an
+    # error on stderr and an exit code, not a lone "[" or a table header.
+    first = next(pages, None)
+    batches = itertools.chain([first], pages) if first is not None else iter(())
     if out.as_json:
-        # A JSON array, written as the pages arrive (--all may be long).
+        # A JSON array, written as the pages arrive (--all may be long). A later page that fails
+        # leaves it unclosed: never a complete-looking array, and the exit code says so.
         sys.stdout.write("[")
         for i, batch in enumerate(batches):
             sys.stdout.write(("," if i else "") + "\n" + json.dumps(batch.model_dump(mode="json")))
@@ -241,7 +256,7 @@ def cmd_list(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     print(f"{'ID':<40} {'STATUS':<11} {'DONE/TOTAL':>12} {'CREATED':<16} ENDPOINT")
     for batch in batches:
         c = batch.request_counts
-        progress = f"{c.completed + c.failed}/{c.total}" if c else "-"
+        progress = f"{request_tally(batch).done}/{c.total}" if c else "-"
         created = (time.strftime("%Y-%m-%d %H:%M", time.localtime(batch.created_at))
                    if batch.created_at else "-")
         print(f"{batch.id:<40} {batch.status:<11} {progress:>12} {created:<16} {batch.endpoint}", flush=True)

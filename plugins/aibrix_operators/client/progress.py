@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 from aibrix_operators.batch.lifecycle import BatchStatus
@@ -75,22 +76,64 @@ class RateMeter:
         return left / rate if rate else None
 
 
-def batch_progress(batch: Any, meter: RateMeter | None = None) -> str:
-    """``batch_… in_progress [#####....] 412/1000 41% 12.3 req/s ETA 48s, 3 failed``."""
+@dataclass(frozen=True)
+class RequestTally:
+    """A batch's ``request_counts`` as a person should read them.
+
+    For a batch a cancel or its window's end cut short, the API's ``failed`` holds, besides the
+    requests that failed, every request left unanswered (never sent, or sent and cut off: its
+    error line has code ``batch_cancelled`` / ``batch_expired``); the Batch object does not
+    tell the two apart. Then ``cut_off_by`` names the cause and the batch counts as
+    ``completed`` of ``total`` done, the rest as "cancelled or failed", never as a mass failure
+    and never as 100% done."""
+
+    total: int
+    completed: int
+    failed: int
+    cut_off_by: str | None = None  # "cancelled" / "expired": failed mixes unanswered and failed
+
+    @property
+    def done(self) -> int:
+        return self.completed if self.cut_off_by else self.completed + self.failed
+
+    def failed_words(self) -> str:
+        return f"{self.failed} {self.cut_off_by} or failed" if self.cut_off_by else f"{self.failed} failed"
+
+
+def request_tally(batch: Any, now: float | None = None) -> RequestTally:
     counts = batch.request_counts
     total, completed, failed = (counts.total, counts.completed, counts.failed) if counts else (0, 0, 0)
-    done = completed + failed
+    status = str(batch.status)
+    cut_off_by = None
+    if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        cut_off_by = "cancelled"
+    elif status == BatchStatus.EXPIRED:
+        cut_off_by = "expired"
+    elif status in (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING) and getattr(batch, "expires_at", None):
+        # Past its window the run writes batch_expired lines before the status says expired.
+        if (time.time() if now is None else now) >= batch.expires_at:
+            cut_off_by = "expired"
+    return RequestTally(total, completed, failed, cut_off_by)
+
+
+def batch_progress(batch: Any, meter: RateMeter | None = None, now: float | None = None) -> str:
+    """``batch_… in_progress [#####....] 412/1000 41% 12.3 req/s ETA 48s, 3 failed``; a batch
+    cut short: ``batch_… cancelled [###.....] 64/200 completed 32%, 136 cancelled or failed``."""
+    tally = request_tally(batch, now)
+    total, done = tally.total, tally.done
     parts = [batch.id, f"{batch.status:<11}"]
     if total:
-        parts += [bar(done / total), f"{done}/{total}", f"{100 * done // total}%"]
+        parts += [bar(done / total), f"{done}/{total}" + (" completed" if tally.cut_off_by else ""),
+                  f"{100 * done // total}%"]
         if meter is not None:
             rate = meter.rate()
             if rate is not None:
                 parts.append(f"{rate:.1f} req/s")
-            if batch.status in (BatchStatus.IN_PROGRESS, BatchStatus.VALIDATING) and done < total:
+            if batch.status in (BatchStatus.IN_PROGRESS, BatchStatus.VALIDATING) and done < total \
+                    and not tally.cut_off_by:
                 parts.append(f"ETA {format_duration(meter.eta(total))}")
     line = "  ".join(parts)
-    return line + (f", {failed} failed" if failed else "")
+    return line + (f", {tally.failed_words()}" if tally.failed else "")
 
 
 class TransferBar:
