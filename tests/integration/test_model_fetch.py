@@ -1,9 +1,11 @@
 """The model fetcher's CLI (what a vLLM pod's init container runs) against a real SeaweedFS:
 delivery byte for byte, the one-line failures and their exit codes, resume after a kill, and the
-paths it refuses to write."""
+paths it refuses to write; and the LoRA cache's fetch (lora/serving.py), which hashes every file
+on every load."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,6 +19,8 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
+from aibrix_operators.lora.registry import Adapter
+from aibrix_operators.lora.serving import fetch_adapter
 from aibrix_operators.serving.model_fetch import EXIT_MISMATCH, EXIT_MISSING, EXIT_USAGE, JOURNAL
 from aibrix_operators.serving.model_manifest import FORMAT, MANIFEST_NAME, STATE_DIR, write_manifest
 from tests.integration.services import S3Server
@@ -198,6 +202,7 @@ def test_unrecorded_files_are_rehashed_and_reverify_catches_a_change_in_place(
     assert trusted["bytes_downloaded"] == 0  # what the journal's cheap check can and cannot see
     checked = summary(fetch(s3_server, source, dest, "--reverify"))
     assert (checked["fetched_files"], checked["bytes_downloaded"]) == (1, st.st_size)
+    assert checked["rejected_files"] == 1
     assert model_files(dest) == model_files(model)
 
 
@@ -266,3 +271,79 @@ def test_a_pinned_manifest_that_differs_is_refused(s3_server: S3Server, bucket: 
         summary(fetch(s3_server, source, tmp_path / "dest", f"--manifest-sha256={pin}"))["fetched_files"] == 6
     )
     assert json.loads((model / MANIFEST_NAME).read_text())["format"] == FORMAT
+
+
+class CountingClient:
+    """A real boto3 client that notes which keys were read."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.keys = client, []
+
+    def get_object(self, **kwargs: Any) -> Any:
+        self.keys.append(kwargs["Key"])
+        return self.client.get_object(**kwargs)
+
+
+def test_a_lora_adapter_changed_in_the_cache_with_its_mtime_put_back_is_fetched_again(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """The LoRA cache is a volume every Airflow worker can write: its journal's (size, mtime)
+    proves nothing, so every load hashes every file, and one whose bytes are not the manifest's
+    is downloaded again from the store and verified before vLLM is pointed at the folder."""
+    adapter_src = tmp_path / "adapter"
+    adapter_src.mkdir()
+    (adapter_src / "adapter_config.json").write_text('{"r": 8, "peft_type": "LORA"}\n')
+    (adapter_src / "adapter_model.safetensors").write_bytes(os.urandom(700_000))
+    write_manifest(adapter_src)
+    source = publish(s3_server, bucket, adapter_src)
+    pin = hashlib.sha256((adapter_src / MANIFEST_NAME).read_bytes()).hexdigest()
+    adapter = Adapter("sql", "base", source + "/", pin)
+    cache = tmp_path / "lora-cache"
+    folder = fetch_adapter(adapter, cache, s3_server.client())
+    assert model_files(folder) == model_files(adapter_src)
+
+    weights = folder / "adapter_model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, mtime put back: the journal's check cannot see it
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    client = CountingClient(s3_server.client())
+    assert fetch_adapter(adapter, cache, client) == folder
+    assert model_files(folder) == model_files(adapter_src)  # the store's verified bytes again
+    prefix = source.removeprefix(f"s3://{bucket}/")
+    # The manifest, then only the changed file: the intact one was hashed, not downloaded.
+    assert set(client.keys) == {f"{prefix}/{MANIFEST_NAME}", f"{prefix}/adapter_model.safetensors"}
+
+
+def test_a_planted_state_link_fails_the_cli_naming_it_with_nothing_deleted_or_written_there(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """``.model-fetch`` linked to someone else's folder: the old fetcher deleted what was in its
+    ``parts/`` as stale parts and appended its journal there."""
+    model = make_model(tmp_path, shards=1, shard_bytes=100_000)
+    source = publish(s3_server, bucket, model)
+    outside = tmp_path / "outside"
+    (outside / "parts").mkdir(parents=True)
+    (outside / "parts" / "precious.bin").write_bytes(b"not the fetcher's")
+    (outside / JOURNAL).write_bytes(b"someone else's log\n")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / STATE_DIR).symlink_to(outside)
+    log = tmp_path / "termination-log"
+    done = fetch(s3_server, source, dest, f"--termination-log={log}")
+    assert done.returncode == EXIT_USAGE, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line == (
+        f"model fetch failed: {dest / STATE_DIR}: is a symbolic link (to '{outside}'), not a directory; "
+        "the fetcher follows no links in its destination (another writer may have planted it): "
+        "remove the link and fetch again"
+    )
+    assert log.read_text() == line
+    assert (outside / "parts" / "precious.bin").read_bytes() == b"not the fetcher's"
+    assert (outside / JOURNAL).read_bytes() == b"someone else's log\n"
+    assert {p.name for p in outside.rglob("*")} == {JOURNAL, "parts", "precious.bin"}
+    assert [p.name for p in dest.iterdir()] == [STATE_DIR]  # nothing fetched
+    (dest / STATE_DIR).unlink()  # what the message says to do
+    assert summary(fetch(s3_server, source, dest))["fetched_files"] == 4

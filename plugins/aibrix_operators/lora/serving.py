@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from aibrix_operators.lora.registry import Adapter
-from aibrix_operators.serving.model_fetch import EXIT_STORE, FetchError, fetch_model
+from aibrix_operators.serving.model_fetch import EXIT_STORE, FetchError, FetchOptions, fetch_model
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,11 @@ def fetch_adapter(adapter: Adapter, cache_dir: Path, s3_client: Any = None) -> P
     with open(dest.parent / f"{adapter.version}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            # reverify: the cache is a volume every worker can write, so its journal's (size,
+            # mtime) proves nothing; every file is hashed on every load (adapters are small) and
+            # one whose bytes are not the manifest's is downloaded again and verified.
             report = fetch_model(adapter.uri, dest, manifest_sha256=adapter.manifest_sha256,
-                                 client=s3_client)
+                                 client=s3_client, options=FetchOptions(reverify=True))
         except FetchError as exc:
             what = f"LoRA adapter {adapter.name!r} ({adapter.uri}): {exc}"
             if exc.exit_code == EXIT_STORE:

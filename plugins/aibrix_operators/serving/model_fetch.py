@@ -15,7 +15,14 @@ What a vLLM pod's init container runs (k8s overlays, docs/model-delivery.md)::
   place and recorded in ``.model-fetch/verified.jsonl`` (size, sha256, mtime). A restarted fetch
   skips a recorded file whose size and mtime still match, re-hashes an unrecorded one already
   in place (a crash between rename and record), and downloads the rest; an interrupted partial
-  file starts over (its hash state died with the process).
+  file starts over (its hash state died with the process). ``--reverify`` (what the LoRA cache,
+  a volume others can write, always uses) hashes every file in place and downloads again any
+  whose digest is not the manifest's.
+* **No links followed** under the destination: the destination, ``.model-fetch/``, its parts
+  and every folder of a manifest path are opened with ``O_NOFOLLOW | O_DIRECTORY`` and used by
+  descriptor, files created with ``O_EXCL | O_NOFOLLOW``, renamed and deleted by name in those
+  folders. A symbolic link where a folder must be fails the fetch naming it; one where a file
+  must be is replaced (deleting a link touches only the link).
 * **One-line failures**: the reason (which file, what is wrong, what to do) goes to stderr and,
   with ``--termination-log``, to the file Kubernetes shows as the container's termination
   message; the exit status says the kind (see ``EXIT_*``).
@@ -27,9 +34,11 @@ S3 access is boto3's usual chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, .
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -45,7 +54,6 @@ from aibrix_operators.serving.model_manifest import (
     ManifestError,
     ManifestFile,
     parse_manifest,
-    sha256_file,
 )
 from aibrix_operators.storage import StorageError, default_s3_client, split_s3_uri
 
@@ -76,7 +84,7 @@ class FetchOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # one ranged GET
     window_chunks: int = 0  # chunks fetched but not yet hashed; 0: 2 x workers
     max_bytes_per_s: float | None = None  # a cap, to leave the node's network to others
-    reverify: bool = False  # re-hash files the journal says are verified
+    reverify: bool = False  # re-hash files the journal says are verified (the LoRA cache: always)
 
 
 @dataclass
@@ -84,6 +92,7 @@ class FetchReport:
     files: int = 0
     fetched: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # already verified: not downloaded
+    rejected: list[str] = field(default_factory=list)  # a local copy not the manifest's: fetched again
     bytes_downloaded: int = 0  # bytes received from the store in this run
     bytes_total: int = 0  # the model's size
     seconds: float = 0.0
@@ -96,6 +105,7 @@ class FetchReport:
                 "files": self.files,
                 "fetched_files": len(self.fetched),
                 "skipped_files": len(self.skipped),
+                "rejected_files": len(self.rejected),
                 "bytes_downloaded": self.bytes_downloaded,
                 "bytes_total": self.bytes_total,
                 "seconds": round(self.seconds, 3),
@@ -166,19 +176,88 @@ def read_manifest(location: str, client: Any, pin: str | None) -> list[ManifestF
 # ---------------------------------------------------------------------------- the journal
 
 
-class Journal:
-    """``verified.jsonl``: one line per file accepted, appended and fsynced after its rename."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+
+def _not_real(shown: str, needed: str, parent_fd: int | None, name: str | Path) -> FetchError:
+    """A path that must be a real ``needed`` (directory, regular file) is not: one line naming it."""
+    try:
+        to: str | None = os.readlink(name, dir_fd=parent_fd)
+    except OSError:
+        to = None  # not a link (EINVAL), or gone meanwhile
+    if to is not None:
+        return FetchError(
+            f"{shown}: is a symbolic link (to {to!r}), not a {needed}; the fetcher follows no links "
+            "in its destination (another writer may have planted it): remove the link and fetch again",
+            EXIT_USAGE,
+        )
+    return FetchError(f"{shown}: is not a {needed}; remove it and fetch again", EXIT_USAGE)
+
+
+def _open_dir(name: str | Path, parent_fd: int | None, shown: str) -> int:
+    """A real folder ``name`` (in ``parent_fd``), created if missing, opened without following
+    a link; a FetchError naming ``shown`` if it is a link or not a folder."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent_fd)
+    except FileExistsError:
+        pass  # mkdir never follows a link in the last component
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise _not_real(shown, "directory", parent_fd, name) from exc
+        raise
+
+
+def _open_regular(
+    name: str, parent_fd: int, flags: int, mode: int = 0o644
+) -> tuple[int, os.stat_result] | None:
+    """``name`` in ``parent_fd`` opened without following a link, and its fstat; None if it is a
+    link or not a regular file (then nothing was opened: a FIFO would not block, O_NONBLOCK)."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            return None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def _sha256_fd(fd: int) -> str:
+    digest = hashlib.sha256()
+    with open(fd, "rb", buffering=0, closefd=False) as fh:
+        while block := fh.read(8 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Journal:
+    """``verified.jsonl`` in the state folder (a descriptor, never a path through a link): one
+    line per file accepted, appended and fsynced after its rename."""
+
+    def __init__(self, state_fd: int, shown: str) -> None:
+        self.state_fd, self.shown = state_fd, shown
         self._lock = threading.Lock()
+        self._fd: int | None = None
+
+    def _refuse(self) -> FetchError:
+        return _not_real(self.shown, "regular file", self.state_fd, JOURNAL)
 
     def load(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         try:
-            lines = self.path.read_bytes().splitlines()
+            opened = _open_regular(JOURNAL, self.state_fd, os.O_RDONLY)
         except FileNotFoundError:
             return out
+        if opened is None:
+            raise self._refuse()
+        fd, _ = opened
+        with open(fd, "rb") as fh:
+            lines = fh.read().splitlines()
         for line in lines:
             try:
                 entry = json.loads(line)
@@ -189,10 +268,28 @@ class Journal:
 
     def record(self, f: ManifestFile, mtime_ns: int) -> None:
         line = json.dumps({"path": f.path, "size": f.size, "sha256": f.sha256, "mtime_ns": mtime_ns}) + "\n"
-        with self._lock, open(self.path, "ab") as fh:
-            fh.write(line.encode())
-            fh.flush()
-            os.fsync(fh.fileno())
+        with self._lock:
+            if self._fd is None:
+                opened = _open_regular(JOURNAL, self.state_fd, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                if opened is None:
+                    raise self._refuse()
+                if opened[1].st_nlink != 1:  # a hard link: appending would change another name's file
+                    os.close(opened[0])
+                    raise FetchError(
+                        f"{self.shown}: has {opened[1].st_nlink} names (a hard link); "
+                        "remove it and fetch again",
+                        EXIT_USAGE,
+                    )
+                self._fd = opened[0]
+            view = memoryview(line.encode())
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # ---------------------------------------------------------------------------- fetching
@@ -219,8 +316,11 @@ class _FileJob:
 
     index: int
     entry: ManifestFile
-    target: Path
-    part: Path
+    target: Path  # for messages; written as ``name`` in the folder ``dir_fd``
+    dir_fd: int
+    name: str
+    part: Path  # for messages; ``part_name`` in the parts folder
+    part_name: str
     fd: int
     chunks: int
     hasher: Any = field(default_factory=hashlib.sha256)
@@ -254,7 +354,6 @@ class ModelFetcher:
         self.prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
         self.dest, self.files, self.client, self.opts = Path(dest), files, client, options
         self.state = self.dest / STATE_DIR
-        self.journal = Journal(self.state / JOURNAL)
         self.report = FetchReport(files=len(files), bytes_total=sum(f.size for f in files))
         self._window = threading.Semaphore(options.window_chunks or 2 * options.workers)
         self._throttle = _Throttle(options.max_bytes_per_s)
@@ -262,22 +361,54 @@ class ModelFetcher:
         self._failed: FetchError | None = None
         self._remaining = 0
         self._all_done = threading.Event()
+        # Folders under dest by relative path ("" is dest), opened without following links.
+        self._dirs: dict[str, int] = {}
+        self._parts_fd = -1
+        self.journal: Journal | None = None
 
     def uri(self, f: ManifestFile) -> str:
         return f"s3://{self.bucket}/{self.prefix}{f.path}"
 
+    # -- the folders, each a descriptor of a real directory
+    def _dir(self, rel: str) -> int:
+        """The folder ``rel`` under dest (created if missing), walked one name at a time with
+        O_NOFOLLOW: a planted link anywhere below dest fails the fetch instead of leading out."""
+        if rel not in self._dirs:
+            parent, _, name = rel.rpartition("/")
+            self._dirs[rel] = _open_dir(name, self._dir(parent), str(self.dest / rel))
+        return self._dirs[rel]
+
+    def _open_state(self) -> None:
+        self.dest.parent.mkdir(parents=True, exist_ok=True)  # dest's parents are the deployment's
+        self._dirs[""] = _open_dir(self.dest, None, str(self.dest))
+        state_fd = self._dir(STATE_DIR)
+        self._parts_fd = self._dir(f"{STATE_DIR}/parts")
+        self.journal = Journal(state_fd, str(self.state / JOURNAL))
+
+    def _close_state(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    def _clear_parts(self) -> None:
+        parts = self._parts_fd
+        for name in os.listdir(parts):
+            if stat.S_ISDIR(os.stat(name, dir_fd=parts, follow_symlinks=False).st_mode):
+                raise _not_real(str(self.state / "parts" / name), "regular file", parts, name)
+            os.unlink(name, dir_fd=parts)  # a file or a link: only the name goes
+
     # -- the plan
-    def _target(self, f: ManifestFile) -> Path:
-        target = self.dest / f.path
-        # The manifest's paths are checked as text; this catches a symlink already in dest.
-        root = os.path.realpath(self.dest)
-        if os.path.commonpath([root, os.path.realpath(target)]) != root:
-            raise FetchError(f"{f.path}: resolves outside {self.dest}; refusing to write there", EXIT_USAGE)
-        return target
+    def _place(self, f: ManifestFile) -> tuple[int, str]:
+        """The folder (descriptor) and name ``f`` is written as; the manifest's paths are checked
+        as text already, the folders here are real ones (``_dir``)."""
+        parent, _, name = f.path.rpartition("/")
+        return self._dir(parent), name
 
     def _check_no_strangers(self) -> None:
         listed = {f.path for f in self.files}
-        for path in sorted(self.dest.rglob("*")):
+        for path in sorted(self.dest.rglob("*")):  # rglob does not descend into links
             rel = path.relative_to(self.dest).as_posix()
             if rel.split("/")[0] == STATE_DIR or path.is_dir() and not path.is_symlink():
                 continue
@@ -289,53 +420,62 @@ class ModelFetcher:
                     EXIT_USAGE,
                 )
 
-    def _already_verified(self, f: ManifestFile, target: Path, journal: dict[str, dict[str, Any]]) -> bool:
+    def _already_verified(
+        self, f: ManifestFile, dir_fd: int, name: str, journal: dict[str, dict[str, Any]]
+    ) -> bool:
         try:
-            st = target.lstat()
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        if not target.is_file() or target.is_symlink() or st.st_size != f.size:
-            target.unlink()
+        if stat.S_ISDIR(st.st_mode):
+            raise _not_real(str(self.dest / f.path), "regular file", dir_fd, name)
+        opened = _open_regular(name, dir_fd, os.O_RDONLY) if stat.S_ISREG(st.st_mode) else None
+        if opened is None:  # a link, a FIFO, ...: deleting it deletes only the name
+            os.unlink(name, dir_fd=dir_fd)
+            self.report.rejected.append(f.path)
             return False
-        seen = journal.get(f.path)
-        if not self.opts.reverify and seen == {
-            "path": f.path,
-            "size": f.size,
-            "sha256": f.sha256,
-            "mtime_ns": st.st_mtime_ns,
-        }:
-            return True
-        if sha256_file(target) == f.sha256:  # in place but unrecorded (or --reverify)
-            self.journal.record(f, st.st_mtime_ns)
-            return True
-        target.unlink()
+        fd, st = opened
+        try:
+            expected = {"path": f.path, "size": f.size, "sha256": f.sha256, "mtime_ns": st.st_mtime_ns}
+            if st.st_size == f.size:
+                if not self.opts.reverify and journal.get(f.path) == expected:
+                    return True
+                if _sha256_fd(fd) == f.sha256:  # in place but unrecorded, or --reverify
+                    if journal.get(f.path) != expected:
+                        assert self.journal is not None
+                        self.journal.record(f, st.st_mtime_ns)
+                    return True
+        finally:
+            os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)  # not the manifest's bytes: fetched again, and verified
+        self.report.rejected.append(f.path)
         return False
 
     # -- the run
     def run(self) -> FetchReport:
         start = time.monotonic()
         try:
-            self.dest.mkdir(parents=True, exist_ok=True)
-            (self.state / "parts").mkdir(parents=True, exist_ok=True)
-            for stale in (self.state / "parts").iterdir():
-                stale.unlink()  # an interrupted file starts over: its hash state is gone
+            self._open_state()
+            self._clear_parts()  # an interrupted file starts over: its hash state is gone
             self._check_no_strangers()
+            assert self.journal is not None
             journal = self.journal.load()
             todo = []
             for i, f in enumerate(self.files):
-                target = self._target(f)
-                if self._already_verified(f, target, journal):
+                dir_fd, name = self._place(f)
+                if self._already_verified(f, dir_fd, name, journal):
                     self.report.skipped.append(f.path)
                 else:
-                    todo.append((i, f, target))
+                    todo.append((i, f, dir_fd, name))
             self._download(todo)
         except OSError as exc:
             raise FetchError(f"{self.dest}: {exc.strerror or exc} ({exc.filename or 'local disk'})") from exc
         finally:
+            self._close_state()
             self.report.seconds = time.monotonic() - start
         return self.report
 
-    def _download(self, todo: list[tuple[int, ManifestFile, Path]]) -> None:
+    def _download(self, todo: list[tuple[int, ManifestFile, int, str]]) -> None:
         if not todo:
             return
         self._remaining = len(todo)
@@ -345,18 +485,32 @@ class ModelFetcher:
         finally:  # the pool has finished: no thread writes any more
             for job in jobs:
                 job.close()
-                if self._failed:
-                    job.part.unlink(missing_ok=True)  # a failed fetch leaves only verified files
+                if self._failed:  # a failed fetch leaves only verified files
+                    self._unlink_part(job)
         if self._failed:
             raise self._failed
 
-    def _schedule(self, todo: list[tuple[int, ManifestFile, Path]], jobs: list[_FileJob]) -> None:
+    def _unlink_part(self, job: _FileJob) -> None:
+        try:
+            os.unlink(job.part_name, dir_fd=self._parts_fd)
+        except FileNotFoundError:
+            pass
+
+    def _schedule(self, todo: list[tuple[int, ManifestFile, int, str]], jobs: list[_FileJob]) -> None:
         with ThreadPoolExecutor(self.opts.workers, thread_name_prefix="model-fetch") as pool:
-            for i, f, target in todo:
-                part = self.state / "parts" / f"{i}.part"
-                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            for i, f, dir_fd, name in todo:
+                part_name = f"{i}.part"
+                part = self.state / "parts" / part_name
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:  # parts/ was emptied: anything there now was planted, and is not followed
+                    fd = os.open(part_name, flags, 0o644, dir_fd=self._parts_fd)
+                except FileExistsError as exc:
+                    raise FetchError(
+                        f"{part}: appeared while fetching (another fetch into {self.dest}?); "
+                        "fetch again once it has ended",
+                    ) from exc
                 chunks = max(1, -(-f.size // self.opts.chunk_bytes))
-                job = _FileJob(i, f, target, part, fd, chunks)
+                job = _FileJob(i, f, self.dest / f.path, dir_fd, name, part, part_name, fd, chunks)
                 jobs.append(job)
                 for c in range(chunks):
                     # Acquired in submission order, released once hashed: the oldest chunks
@@ -452,32 +606,26 @@ class ModelFetcher:
     def _finish(self, job: _FileJob) -> None:
         f = job.entry
         os.fsync(job.fd)
+        mtime_ns = os.fstat(job.fd).st_mtime_ns  # a rename keeps it
         job.close()
         got = job.hasher.hexdigest()
         if got != f.sha256:
-            job.part.unlink(missing_ok=True)
+            self._unlink_part(job)
             raise FetchError(
                 f"{f.path}: sha256 {got} of {self.uri(f)} is not the manifest's {f.sha256}; "
                 "the object is corrupt or the manifest stale: re-upload both",
                 EXIT_MISMATCH,
             )
-        job.target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(job.part, job.target)
-        _fsync_dir(job.target.parent)
-        self.journal.record(f, job.target.stat().st_mtime_ns)
+        # rename(2) replaces the name in a real folder, never what a link there points to.
+        os.replace(job.part_name, job.name, src_dir_fd=self._parts_fd, dst_dir_fd=job.dir_fd)
+        os.fsync(job.dir_fd)
+        assert self.journal is not None
+        self.journal.record(f, mtime_ns)
         with self._count_lock:
             self.report.fetched.append(f.path)
             self._remaining -= 1
             if self._remaining == 0:
                 self._all_done.set()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fetch_model(
