@@ -5,7 +5,8 @@
 Starts vLLM on 127.0.0.1:8000 and Airflow's api-server, scheduler, dag-processor and triggerer
 (AIRFLOW_HOME=.work/airflow, the api-server on 127.0.0.1:8080), unpauses batch_inference, and
 configures one Batch API tenant ("local") whose key is kept in .work/batch-api-key (0600,
-created once). Prints the two environment variables the CLI and the SDK read.
+created once). Prints the two environment variables the CLI and the SDK read on a line that
+starts with ``ready``, or one line that starts with ``failed`` (what to do) when it cannot start.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 import signal
 import sys
 import time
+from pathlib import Path
 
 from aibrix_operators.batch_api.auth import key_digest
 from aibrix_operators.local_airflow import start_airflow
@@ -35,13 +37,34 @@ def local_key() -> str:
     return KEY_FILE.read_text().strip()
 
 
+def failed(reason: str) -> int:
+    """The one line the quick start's wait loop stops on (it waits for ``^ready`` or ``^failed``)."""
+    print(f"failed: {reason}", flush=True)
+    return 1
+
+
 def main() -> int:
+    try:
+        return serve()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the traceback is above; the loop needs the one line
+        import traceback
+
+        traceback.print_exc()
+        return failed(f"{type(exc).__name__}: {exc} (the traceback above says where)")
+
+
+def serve() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(WORK_DIR / "models" / "tiny-llama"))
     p.add_argument("--served-model-name", default="tiny-llama")
     p.add_argument("--port", type=int, default=8080, help="the api-server's port")
     p.add_argument("--vllm-port", type=int, default=8000)
     args = p.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        return failed(f"no model at {args.model}: run `make run` first (it sets up both environments "
+                      "and generates the model), or pass --model")
     key = local_key()
     home = WORK_DIR / "airflow"
     spec = VLLMServerSpec(model=args.model, served_model_name=args.served_model_name, port=args.vllm_port)

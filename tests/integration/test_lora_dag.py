@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import secrets
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -75,7 +77,10 @@ def lora_setup(tiny_model: Path, s3_server: S3Server, tmp_path_factory: pytest.T
                for name, folder in folders.items()]
     registry = root / "lora-adapters.json"
     registry.write_text(json.dumps({"adapters": entries}))
-    return {"folders": folders, "registry": registry, "cache": root / "cache"}
+    # The router's admin token, a Secret both the router and the workers mount.
+    token = root / "router-admin-token"
+    token.write_text(secrets.token_hex(32) + "\n")
+    return {"folders": folders, "registry": registry, "cache": root / "cache", "admin_token": token}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +105,8 @@ def requests(models: list[str], seed: int = 5) -> list[dict]:
 def lora_env(env: dict[str, str], s3: S3Server, setup: dict) -> dict[str, str]:
     return {**env, **s3.env(),
             "AIRFLOW__AIBRIX_BATCH__LORA_ADAPTERS": str(setup["registry"]),
-            "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(setup["cache"])}
+            "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(setup["cache"]),
+            "AIRFLOW__AIBRIX_BATCH__ROUTER_ADMIN_TOKEN_FILE": str(setup["admin_token"])}
 
 
 def run_batch(env: dict[str, str], s3: S3Server, setup: dict, endpoint: str, batch: list[dict],
@@ -194,8 +200,11 @@ def test_corrupted_adapter_fails_its_shard_by_name(
 
 
 @pytest.fixture(scope="module")
-def router_over_two(tiny_model: Path, runtime_server: VLLMServer) -> Iterator[tuple[str, str]]:
-    """The P/D router with two decode instances: the module's server and a second, fresh one."""
+def router_over_two(
+    tiny_model: Path, runtime_server: VLLMServer, lora_setup: dict,
+) -> Iterator[tuple[str, str]]:
+    """The P/D router with two decode instances: the module's server and a second, fresh one; it
+    loads the deployment's adapters for whoever holds the admin token."""
     spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
                           extra_args=LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     with VLLMServer(spec) as second:
@@ -204,7 +213,9 @@ def router_over_two(tiny_model: Path, runtime_server: VLLMServer) -> Iterator[tu
         proc = subprocess.Popen(
             [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1", "--port", str(port),
              "--decode", runtime_server.base_url, "--decode", second.base_url,
-             "--health-interval-s", "0.5", "--shutdown-timeout-s", "2"],
+             "--health-interval-s", "0.5", "--shutdown-timeout-s", "2",
+             "--admin-token-file", str(lora_setup["admin_token"]),
+             "--lora-registry", str(lora_setup["registry"]), "--lora-cache-dir", str(lora_setup["cache"])],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -238,6 +249,12 @@ def test_through_the_router_every_instance_gets_the_adapters(
     first, fresh = served_adapters(runtime_server.base_url), served_adapters(second)
     for name in ("a1", "a2"):
         assert fresh[name] == first[name] and str(lora_setup["cache"] / name) in fresh[name]
+    # The batch loaded them with the workers' admin token; a client without it loads nothing (the
+    # review's attack: the base model's name with a bogus folder, which made it answer 503).
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        lora_admin(router, "load", {"lora_name": SERVED_NAME, "lora_path": "/nonexistent"})
+    assert refused.value.code == 401
+    assert post(router, {**batch[0]["body"], "model": SERVED_NAME})["choices"]
 
 
 def test_an_unknown_adapter_is_refused_at_validation_with_its_line(

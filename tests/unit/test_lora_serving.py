@@ -115,3 +115,22 @@ def test_an_unreachable_store_is_an_outage_not_a_bad_adapter(tmp_path: Path) -> 
     with pytest.raises(AdapterStoreUnavailable, match="LoRA adapter 'sql'.*the task's retry fetches it"):
         fetch_adapter(ADAPTER, tmp_path, client)
     assert not list((tmp_path / "sql").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("planted", ["name", "lock"])
+def test_a_link_planted_in_the_lora_cache_is_refused_and_nothing_is_made_where_it_points(
+    tmp_path: Path, planted: str,
+) -> None:
+    """The cache is a volume every worker can write: a link at ``<cache>/<name>`` or at the version's
+    lock file made the fetch create folders and files where it pointed (review 2026-12-05)."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    cache.mkdir()
+    elsewhere.mkdir()
+    if planted == "name":
+        (cache / ADAPTER.name).symlink_to(elsewhere)
+    else:
+        (cache / ADAPTER.name).mkdir()
+        (cache / ADAPTER.name / f"{ADAPTER.version}.lock").symlink_to(elsewhere / "victim")
+    with pytest.raises(AdapterLoadFailed, match="symbolic link or not a folder.*remove it"):
+        fetch_adapter(ADAPTER, cache, object())  # never reaches the store
+    assert list(elsewhere.iterdir()) == []

@@ -19,14 +19,20 @@ cannot be read ``AdapterStoreUnavailable`` (outages, retried); each message name
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import fcntl
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from aibrix_operators.lora.registry import Adapter
+from aibrix_operators.router.admin import TOKEN_HEADER
 from aibrix_operators.serving.model_fetch import EXIT_STORE, FetchError, FetchOptions, fetch_model
 
 log = logging.getLogger(__name__)
@@ -51,11 +57,47 @@ def adapter_dir(cache_dir: Path, adapter: Adapter) -> Path:
     return cache_dir / adapter.name / adapter.version
 
 
+@contextmanager
+def _adapter_lock(cache_dir: Path, adapter: Adapter) -> Iterator[int]:
+    """The lock file of the adapter's version, with ``<cache>/<name>/<version>/`` made; no link
+    inside the cache is followed. The cache is a volume every worker can write, so a link planted
+    at ``<name>`` or at the lock's name would make us create or lock files where it points: the
+    fetch fails naming it instead (the fetcher itself follows no link below ``<version>/``)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)  # the deployment's path: its links are its own
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(cache_dir / adapter.name)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        folder = os.open(cache_dir / adapter.name, flags)
+    except OSError as exc:
+        raise AdapterLoadFailed(_not_a_folder(cache_dir / adapter.name, exc)) from exc
+    try:
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(adapter.version, dir_fd=folder)
+            lock = os.open(f"{adapter.version}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           0o644, dir_fd=folder)
+        except OSError as exc:
+            raise AdapterLoadFailed(_not_a_folder(cache_dir / adapter.name / adapter.version, exc)) from exc
+        try:
+            yield lock
+        finally:
+            os.close(lock)
+    finally:
+        os.close(folder)
+
+
+def _not_a_folder(path: Path, exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return (f"{path} (or its .lock) in the LoRA cache is a symbolic link or not a folder; the cache "
+                "follows no links: remove it and run the task again")
+    return f"cannot prepare {path} in the LoRA cache: {exc}"
+
+
 def fetch_adapter(adapter: Adapter, cache_dir: Path, s3_client: Any = None) -> Path:
     """The adapter's verified local folder, fetched if needed (blocking)."""
     dest = adapter_dir(cache_dir, adapter)
-    dest.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f"{adapter.version}.lock", "a+b") as lock:
+    with _adapter_lock(cache_dir, adapter) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             # reverify: the cache is a volume every worker can write, so its journal's (size,
@@ -86,11 +128,15 @@ async def _loaded_from(session: aiohttp.ClientSession, base_url: str, name: str)
 
 
 async def load_on_server(
-    base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path, timeout_s: float = 300.0
+    base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path, timeout_s: float = 300.0,
+    admin_token: str | None = None,
 ) -> bool:
-    """Load ``folder`` as ``adapter.name`` on the server; False when it already served that folder."""
+    """Load ``folder`` as ``adapter.name`` on the server; False when it already served that folder.
+
+    ``admin_token`` (the deployment's router admin token) goes on the load request alone: the P/D
+    router refuses loads without it (router/admin.py); a plain vLLM ignores the header."""
     try:
-        return await _load(base_url, headers, adapter, folder, timeout_s)
+        return await _load(base_url, headers, adapter, folder, timeout_s, admin_token)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise AdapterServerUnreachable(
             f"LoRA adapter {adapter.name!r}: cannot reach {base_url} to load it "
@@ -98,14 +144,15 @@ async def load_on_server(
 
 
 async def _load(base_url: str, headers: dict[str, str], adapter: Adapter, folder: Path,
-                timeout_s: float) -> bool:
+                timeout_s: float, admin_token: str | None) -> bool:
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         current = await _loaded_from(session, base_url, adapter.name)
         if current == str(folder):
             return False
         body = {"lora_name": adapter.name, "lora_path": str(folder), "load_inplace": current is not None}
-        async with session.post(f"{base_url}/v1/load_lora_adapter", json=body) as resp:
+        admin = {TOKEN_HEADER: admin_token} if admin_token else {}
+        async with session.post(f"{base_url}/v1/load_lora_adapter", json=body, headers=admin) as resp:
             if resp.status == 200:
                 return True
             text = (await resp.text())[:500]
@@ -123,11 +170,12 @@ async def _load(base_url: str, headers: dict[str, str], adapter: Adapter, folder
 
 
 async def ensure_adapter(
-    base_url: str, headers: dict[str, str], adapter: Adapter, cache_dir: Path, s3_client: Any = None
+    base_url: str, headers: dict[str, str], adapter: Adapter, cache_dir: Path, s3_client: Any = None,
+    admin_token: str | None = None,
 ) -> Path:
     """Fetch, verify and load ``adapter`` on the server at ``base_url``; its folder."""
     folder = await asyncio.to_thread(fetch_adapter, adapter, cache_dir, s3_client)
-    loaded = await load_on_server(base_url, headers, adapter, folder)
+    loaded = await load_on_server(base_url, headers, adapter, folder, admin_token=admin_token)
     log.info("LoRA adapter %s %s on %s", adapter.name, "loaded" if loaded else "already served",
              base_url)
     return folder

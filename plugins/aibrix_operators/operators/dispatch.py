@@ -38,10 +38,11 @@ from aibrix_operators.operators.batch_metrics import shard_finished
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.shard_turns import wait_for_turn
 from aibrix_operators.operators.step_errors import records_step_error
+from aibrix_operators.router.admin import AdminConfigError
 from aibrix_operators.settings.capacity import capacity_for
 from aibrix_operators.settings.driver_pods import load_driver_pod_settings
 from aibrix_operators.settings.job_pool import load_job_pool_limits
-from aibrix_operators.settings.lora import adapter_cache_dir, load_adapter_registry
+from aibrix_operators.settings.lora import adapter_cache_dir, load_adapter_registry, router_admin_token
 from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust import TrustViolation
@@ -369,12 +370,14 @@ def prepare_adapter(shard: ShardSpec, config: DriverConfig, endpoint_wait_s: flo
 
     async def ready_then_load() -> None:
         await check_endpoint(config, None, endpoint_wait_s)
-        await ensure_adapter(config.base_url, config.headers(), adapter, adapter_cache_dir())
+        await ensure_adapter(config.base_url, config.headers(), adapter, adapter_cache_dir(),
+                             admin_token=admin_token)
 
     try:
         adapter = load_adapter_registry().get(shard.adapter)
+        admin_token = router_admin_token()
         asyncio.run(ready_then_load())
-    except (AdapterLoadFailed, AdapterRegistryError) as exc:
+    except (AdapterLoadFailed, AdapterRegistryError, AdminConfigError) as exc:
         raise AirflowFailException(f"{shard.name}: {exc}") from exc
 
 

@@ -6,6 +6,9 @@ Keys (both optional; without ``lora_adapters`` no batch may name an adapter)::
     lora_adapters = /etc/aibrix/lora-adapters.yaml   # the registry (lora/registry.py)
     lora_cache_dir = /var/lib/aibrix/lora            # where adapters are fetched to; the vLLM
                                                      # servers must see it at the same path
+    router_admin_token_file = /var/run/secrets/aibrix-router/token   # the P/D router's admin
+                                                     # token (router/admin.py), sent only with
+                                                     # an adapter load
 
 docs/lora.md explains both.
 """
@@ -36,3 +39,13 @@ def adapter_cache_dir() -> Path:
 
     raw = (conf.get(SECTION, "lora_cache_dir", fallback=None) or "").strip()
     return Path(raw) if raw else DEFAULT_CACHE_DIR
+
+
+def router_admin_token() -> str | None:
+    """The P/D router's admin token (a mounted Secret), or None when the deployment set none."""
+    from airflow.sdk import conf
+
+    from aibrix_operators.router.admin import read_token
+
+    raw = (conf.get(SECTION, "router_admin_token_file", fallback=None) or "").strip()
+    return read_token(raw).decode() if raw else None
