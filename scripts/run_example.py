@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
@@ -20,17 +22,45 @@ from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 
 
-def run_dag(conf: dict, env: dict[str, str], log_path: Path) -> int:
+# A line at least this often while the DAG runs: the first run waits minutes for vLLM to start.
+PROGRESS_INTERVAL_S = 15.0
+# The task a `dags test` log line is about (Airflow's TaskInstance repr, or its task_id= fields).
+_TASK = re.compile(r"TaskInstance: batch_inference\.(\w+)|task_id=['\"]?(\w+)")
+
+
+def last_task(log_path: Path) -> str | None:
+    """The task the DAG's log mentions last (the one running, or the last to end)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = _TASK.findall(tail)
+    return next((a or b for a, b in reversed(found) if a or b), None)
+
+
+def wait_with_progress(proc: subprocess.Popen, describe: Callable[[], str], interval_s: float,
+                       started: float) -> int:
+    """Wait for ``proc``, printing what it waits for every ``interval_s``."""
+    while True:
+        try:
+            return proc.wait(timeout=interval_s)
+        except subprocess.TimeoutExpired:
+            print(f"  [{time.monotonic() - started:4.0f} s] {describe()}", flush=True)
+
+
+def run_dag(conf: dict, env: dict[str, str], log_path: Path, describe: Callable[[], str]) -> int:
     # A fresh checkout's first migrate creates the SQLite DB: tens of seconds, so say so.
     print("creating/upgrading the Airflow DB (.work/airflow) ...", flush=True)
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
     print(f"running DAG batch_inference (log: {log_path}) ...", flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [AIRFLOW, "dags", "test", "batch_inference", "-c", json.dumps(conf)],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
         )
-    return proc.returncode
+        return wait_with_progress(proc, describe, PROGRESS_INTERVAL_S, time.monotonic())
 
 
 def summary(batch: dict, wall_s: float, output: Path) -> str:
@@ -69,7 +99,15 @@ def main() -> int:
         conf = {"input_uri": args.input, "output_uri": args.output, "endpoint": server.base_url,
                 "model": args.served_model_name}
         started = time.monotonic()
-        rc = run_dag(conf, env, log_path)
+
+        def describe() -> str:
+            task = last_task(log_path) or "starting"
+            if starting.is_alive():
+                return (f"vLLM is still starting at {server.base_url} (~1-3 min on a CPU; the dispatch "
+                        f"step waits for it); DAG at: {task}")
+            return f"vLLM is up; DAG at: {task} (log: {log_path})"
+
+        rc = run_dag(conf, env, log_path, describe)
         wall = time.monotonic() - started
         starting.join()
     finally:

@@ -123,15 +123,18 @@ def test_cli_errors_are_one_line_with_their_exit_code(api, tmp_path):
     _one_line_error(cli(api, "create", "--input", str(not_json)), 2, "line 1 is not JSON", "custom_id")
     _one_line_error(cli(api, "create", "--input", str(tmp_path / "missing.jsonl")), 2, "does not exist")
     _one_line_error(cli(api, "status", "batch_" + "0" * 32), 2, "aibrix-batch list")
-    # A file whose first line is fine: the server validates the rest; the batch fails, exit 1.
+    # A bad line after a good one: checked before upload (exit 2, each bad line named), so no file
+    # and no batch reach the server (help's promise: "a bad input file" exits 2).
     good = json.dumps(chat_requests(1)[0])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(good + "\n{not json\n")
-    failed = cli(api, "create", "--input", str(bad), "--wait")
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "  failed" in failed.stdout and "invalid_json_line line 2" in failed.stdout
-    batch_id = failed.stdout.split()[1]
-    _one_line_error(cli(api, "results", batch_id), 1, "failed: invalid_json_line at line 2")
+    sdk = api.client("alpha")
+    files_before = sdk.files.list().data
+    refused = cli(api, "create", "--input", str(bad), "--wait")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stdout == "" and "nothing was uploaded" in refused.stderr
+    assert "line 2: invalid_json_line" in refused.stderr
+    assert [f.id for f in sdk.files.list().data] == [f.id for f in files_before]
 
 
 def test_cli_pool_file_caps_the_batchs_running_shards(api, tmp_path):
