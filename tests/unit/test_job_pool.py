@@ -97,6 +97,33 @@ def test_memory_quantities_read_as_kubernetes_reads_them() -> None:
             memory_bytes(bad)
 
 
+def test_memory_quantities_are_read_exactly_and_bounded_in_length() -> None:
+    # Exact integers, never a float: 1 byte over 8 EiB is not rounded away; a fraction of a
+    # byte rounds up, as Kubernetes rounds it.
+    assert memory_bytes("9223372036854775808") == 2**63
+    assert memory_bytes("0.1Ki") == 103 and memory_bytes("1.000000001G") == 1_000_000_001
+    assert memory_bytes("8191.99999999Pi") == -(-819199999999 * 2**50 // 10**8)
+    for bad in ("9" * 400, "9" * 25, "1" + "0" * 30 + "Ki"):
+        with pytest.raises(JobPoolError, match="memory_per_job may be at most 24 characters"):
+            memory_bytes(bad)  # was OverflowError: int(float("9" * 400))
+    for bad in ("٢Gi", "２Gi", "2\u0663Mi".encode().decode("unicode_escape"), "²Gi", "1.Gi", ".5Gi"):
+        with pytest.raises(JobPoolError, match="not a Kubernetes memory quantity"):
+            memory_bytes(bad)
+    # The same parser reads pool files, DAG params and the deployment's limit, by their names.
+    with pytest.raises(JobPoolError, match="pool: memory_per_job may be at most 24"):
+        JobPool.from_mapping({"memory_per_job": "9" * 400})
+    with pytest.raises(JobPoolError, match=r"\[aibrix_batch\] pool_max_memory_per_job may be at most 24"):
+        job_pool_limits({"pool_max_memory_per_job": "9" * 400}.get)
+
+
+def test_a_pool_file_with_a_400_digit_memory_names_the_file_and_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("pool:\n  memory_per_job: '" + "9" * 400 + "'\n")
+    with pytest.raises(JobPoolError, match="memory_per_job may be at most 24 characters") as exc:
+        load_pool_file(path)
+    assert str(path) in str(exc.value)
+
+
 def test_each_value_over_the_deployments_limit_is_refused_by_the_limits_name() -> None:
     limits = JobPoolLimits(max_workers=4, max_concurrency=128, min_requests_per_shard=100,
                            max_memory_per_job="4Gi", gpu_policy="spread")

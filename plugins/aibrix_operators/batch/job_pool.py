@@ -29,8 +29,13 @@ GPU_POLICIES = ("pack", "spread")
 KEYS = ("max_workers", "memory_per_job", "gpu_policy", "requests_per_shard", "concurrency")
 MIN_MEMORY_BYTES = 64 * 2**20  # the driver's own footprint (~40 MiB RSS) and a little room
 MAX_FILE_BYTES = 64 * 1024  # a pool file is a few lines; a bigger one is not a pool file
-# A Kubernetes memory quantity: a decimal number and an optional binary or decimal suffix.
+# A Kubernetes memory quantity: a decimal number and an optional binary or decimal suffix. The
+# class [0-9] is ASCII only (``\d`` would take any script's digits, which Kubernetes refuses).
 _QUANTITY = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]+)?)(?P<unit>Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?")
+# Longer is no memory size: 999Pi is 21 characters. Bounds the work the parser does on what an
+# untrusted pool file, DAG param or API request sends (a 400-digit number once overflowed a
+# float here and answered 500).
+MAX_QUANTITY_CHARS = 24
 _UNITS = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 
@@ -47,13 +52,21 @@ class PoolLimitExceeded(TrustViolation):
         self.rule = rule
 
 
-def memory_bytes(quantity: str) -> int:
-    """``2Gi`` -> 2147483648. Raises JobPoolError for what Kubernetes would not read as memory."""
+def memory_bytes(quantity: str, key: str = "memory_per_job") -> int:
+    """``2Gi`` -> 2147483648. Raises JobPoolError for what Kubernetes would not read as memory.
+
+    Exact integer arithmetic (no float): a fraction of a byte rounds up, as Kubernetes does."""
+    if len(quantity) > MAX_QUANTITY_CHARS:
+        raise JobPoolError(f"{key} may be at most {MAX_QUANTITY_CHARS} characters (a Kubernetes "
+                           f"memory quantity such as 512Mi or 2Gi); this one has {len(quantity)}")
     match = _QUANTITY.fullmatch(quantity)
     if match is None:
-        raise JobPoolError(f"memory_per_job {quantity[:40]!r} is not a Kubernetes memory quantity "
+        raise JobPoolError(f"{key} {quantity[:40]!r} is not a Kubernetes memory quantity "
                            "(e.g. 512Mi, 2Gi, 1500M)")
-    return int(float(match["num"]) * _UNITS[match["unit"]])
+    whole, _, fraction = match["num"].partition(".")
+    scale = 10 ** len(fraction)
+    scaled = (int(whole) * scale + int(fraction or "0")) * _UNITS[match["unit"]]
+    return -(-scaled // scale)
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,8 @@ class JobPoolLimits:
     gpu_policy: str = "spread"
 
     def __post_init__(self) -> None:
-        memory_bytes(self.max_memory_per_job)  # a bad setting fails where it is read, by name
+        # A bad setting fails where it is read, by name.
+        memory_bytes(self.max_memory_per_job, "[aibrix_batch] pool_max_memory_per_job")
         if self.gpu_policy not in GPU_POLICIES:
             raise JobPoolError(f"[aibrix_batch] gpu_policy must be one of {', '.join(GPU_POLICIES)}, "
                                f"not {self.gpu_policy!r}")
