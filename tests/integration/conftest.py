@@ -51,6 +51,9 @@ def airflow_session_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(key, None)
     env.update(allow_list_env(tmp_path_factory.getbasetemp()))
+    # The tests use windows of seconds and minutes (expiry in 12 s, deadline order with 20 m):
+    # this deployment's floor is lowered to 1 s; the default (1h) is tested in tests/unit.
+    env["AIRFLOW__AIBRIX_BATCH__MIN_COMPLETION_WINDOW"] = "1s"
     migrated = airflow_cli(env, "db", "migrate")
     assert migrated.returncode == 0, migrated.stderr[-3000:]
     return env

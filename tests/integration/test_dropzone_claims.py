@@ -9,13 +9,17 @@ import json
 import uuid
 
 import pytest
+from botocore.exceptions import ClientError
 
+from aibrix_operators.batch.records import longest_key_bytes, work_prefix
 from aibrix_operators.dropzone.core import (
     DropZone,
     InboxObject,
     claim,
     find_new,
+    key_length_problem,
     record,
+    run_id_for,
 )
 from aibrix_operators.triggers.dropzone import DropZoneTrigger
 from tests.integration.conftest import TEST_BUCKET
@@ -213,6 +217,56 @@ def test_names_storage_cannot_address_are_never_claimed_and_block_nothing(s3, s3
     assert find_new(s3, zone) == []  # nothing left that could ever be claimed
     warned = [r.getMessage() for r in caplog.records if "control characters" in r.getMessage()]
     assert len(warned) == len(CONTROL_NAMES), warned  # each reported once, however often listed
+
+
+def _segment_key(work: str) -> str:
+    """The key of a driver's checkpoint segment under a run's work prefix (driver/results.py)."""
+    return _key_of(work) + "/results/shard-00000/" + "0" * 24 + "/seg-" + "1" * 20 + "-abcdef01-000001.jsonl"
+
+
+def test_a_drop_whose_batch_keys_would_pass_s3s_limit_is_refused_before_any_copy(s3, zone, caplog):
+    # Issue 24: a 996-character name fits the inbox (its key is 1,018 bytes), but its batch
+    # would write keys of over 1,200 bytes under outbox/<name>/_work/<run id>/results/..., which
+    # the store refuses (KeyTooLongError, shown below): it used to be claimed, snapshotted and
+    # started, and fail late. Now it is left out of the listing, and a claim of it is refused
+    # before anything is read; the drop beside it goes on. (SeaweedFS also caps each path
+    # segment at 255 bytes, so the long name is made of several.)
+    name = "/".join(["d" * 240] * 4) + "/" + "r" * 26 + ".jsonl"
+    assert len(name) == 996
+    put(s3, zone, name, A)
+    put(s3, zone, "fine.jsonl", B)
+    assert [o.name for o in find_new(s3, zone)] == ["fine.jsonl"]
+    [entry] = s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=_key_of(zone.inbox + "d"))["Contents"]
+    outcome = claim(s3, zone, InboxObject(name, entry["ETag"].strip('"'), entry["Size"]))
+    assert outcome.status == "refused" and outcome.claim is None
+    assert "over S3's limit of 1024 bytes" in outcome.reason and "a name that much shorter" in outcome.reason
+    assert "not starting a batch" in caplog.text
+    # Nothing was snapshotted, claimed or marked seen for it.
+    assert s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=_key_of(zone.state)).get("KeyCount") == 0
+    [fine] = claim_all(s3, zone)
+    assert fine.status == "new" and fine.obj.name == "fine.jsonl"
+    # What the batch would have met: a checkpoint segment's key under its work prefix.
+    work = work_prefix(zone.output_uri(name), run_id_for(name, hashlib.sha256(A).hexdigest()))
+    segment = _segment_key(work)
+    assert len(segment.encode()) == longest_key_bytes(work) > 1024
+    with pytest.raises(ClientError, match="KeyTooLong"):
+        s3.put_object(Bucket=TEST_BUCKET, Key=segment, Body=b"x")
+
+
+def test_the_longest_output_the_bound_accepts_is_one_the_store_takes(s3, zone):
+    # The other side of the bound: a name whose batch's longest key is exactly 1,024 bytes is
+    # accepted, and the store takes a key of that length.
+    def longest(name: str) -> int:
+        return longest_key_bytes(work_prefix(zone.output_uri(name), run_id_for(name, "0" * 64)))
+
+    stem = "/".join(["e" * 200] * 3) + "/"
+    name = stem + "f" * (1 + 1024 - longest(stem + "f"))  # one byte more, one more in longest()
+    assert longest(name) == 1024 and key_length_problem(zone, name) is None
+    assert key_length_problem(zone, name + "g") is not None
+    work = work_prefix(zone.output_uri(name), run_id_for(name, "0" * 64))
+    segment = _segment_key(work)
+    assert len(segment.encode()) == 1024
+    s3.put_object(Bucket=TEST_BUCKET, Key=segment, Body=b"x")
 
 
 def test_s3_uris_are_checked_and_used_in_one_parsed_form(s3):

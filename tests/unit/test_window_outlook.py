@@ -1,6 +1,6 @@
 """"Will it finish in its window?": one judgement for the driver's AT RISK lines and metric
 and for the Batch API's status line (issue 21: a batch that cannot make its window is said
-early, in its log, a metric and the API's metadata)."""
+early, in its log, a metric and the batch object's ``aibrix_status`` field)."""
 
 from __future__ import annotations
 
@@ -51,22 +51,27 @@ def _in_progress(created_at: float, window: str, total: int, answered: int, meta
     return snap
 
 
-def test_the_batch_api_shows_the_outlook_in_metadata_while_the_batch_runs() -> None:
+def test_the_batch_api_shows_the_outlook_beside_the_clients_metadata_while_the_batch_runs() -> None:
     now = 1_800_000_000.0
     # 110 s in progress, 220 answered (2/s), 780 left need 390 s; window 1h from 120 s ago.
     relaxed = batch_object(_in_progress(now - 120, "1h", 1000, 220, {"project": "eval"}), now=now)
     assert relaxed["status"] == "in_progress"
     line = "on track: 780 requests left, ~390s at 2.0 req/s; the window closes in 3480s"
-    assert relaxed["metadata"] == {"project": "eval", STATUS_LINE_KEY: line}
+    assert relaxed[STATUS_LINE_KEY] == line
+    assert relaxed["metadata"] == {"project": "eval"}  # the client's, exactly as sent
     # The same progress in a 5-minute window: 180 s left.
     tight = batch_object(_in_progress(now - 120, "5m", 1000, 220), now=now)
-    assert tight["metadata"][STATUS_LINE_KEY].startswith("at risk: 780 requests left need ~390s")
-    # Not in progress (or too early to tell): the client's metadata as it was.
+    assert tight[STATUS_LINE_KEY].startswith("at risk: 780 requests left need ~390s")
+    assert tight["metadata"] is None
+    # Not in progress (or too early to tell): no status line.
     early = batch_object(_in_progress(now - 12, "1h", 1000, 1, {"project": "eval"}), now=now)
-    assert early["metadata"] == {"project": "eval"}
+    assert early["metadata"] == {"project": "eval"} and early[STATUS_LINE_KEY] is None
     done = _in_progress(now - 120, "1h", 1000, 1000, {"project": "eval"})
     done.run_state = "success"
     counts = {"total": 1000, "completed": 1000, "failed": 0}
     done.batch_json = {"status": "completed", "request_counts": counts}
     assert batch_object(done, now=now)["metadata"] == {"project": "eval"}
-    assert batch_object(_in_progress(now - 120, "1h", 1000, 220), now=now)["metadata"][STATUS_LINE_KEY]
+    assert batch_object(done, now=now)[STATUS_LINE_KEY] is None
+    # A client's own key of that name stays in its metadata, untouched.
+    own = batch_object(_in_progress(now - 120, "1h", 1000, 220, {STATUS_LINE_KEY: "mine"}), now=now)
+    assert own["metadata"] == {STATUS_LINE_KEY: "mine"} and own[STATUS_LINE_KEY] == line

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from array import array
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from aibrix_operators.batch.error_codes import RequestError, ValidationCode
+from aibrix_operators.batch.error_codes import BatchFailure, RequestError, ValidationCode
 from aibrix_operators.batch.failures import (
     FailureRecord,
     error_list,
@@ -39,22 +38,24 @@ from aibrix_operators.batch.prefixes import (
     worth_grouping,
     write_order,
 )
-from aibrix_operators.batch.records import (
+from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helpers, re-exported
+    LONGEST_WORK_KEY_SUFFIX,
+    S3_MAX_KEY_BYTES,
     BatchObject,
+    check_min_window,
+    longest_key_bytes,
     new_batch_id,
-    parse_completion_window,
+    output_key_problem,
+    work_prefix,
 )
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
 from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import ShardOutcome, run_shard
+from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
+from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.storage import Storage, StorageError, join_uri
-
-
-def work_prefix(output_uri: str, run_id: str) -> str:
-    """Per-run scratch space beside the outputs; run ids are made path- and key-safe."""
-    return join_uri(output_uri, "_work", re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
 
 
 def prefix_order_uri(work: str) -> str:
@@ -124,6 +125,7 @@ def validate_batch(
     prefix_grouping: str = "off",
     prefix_order_uri: str | None = None,
     adapters: dict[str, str] | None = None,
+    min_window_s: int | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -141,6 +143,10 @@ def validate_batch(
     ``adapters`` (the deployment's LoRA adapters, name -> base model) lets lines name adapters
     of the batch's base model; a batch that does is always sent grouped by adapter (prefix
     grouping decides the order inside each adapter's requests), which needs ``prefix_order_uri``.
+
+    ``min_window_s``: the shortest window accepted; None reads the deployment's
+    ``[aibrix_batch] min_completion_window`` (default 1h; ``settings/completion_window.py``). A
+    shorter window fails the batch with ``invalid_completion_window``, saying the minimum.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -154,10 +160,18 @@ def validate_batch(
     report = ValidationReport(endpoint=endpoint)
     window_s: int | None = None
     try:
-        window_s = parse_completion_window(completion_window)
+        if min_window_s is None:
+            min_window_s = load_min_completion_window_s()
+        window_s = check_min_window(completion_window, min_window_s, MIN_WINDOW_SETTING)
     except ValueError as exc:
         report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")
-    else:
+    # The run's work prefix is the parent of its prefix-order file (the operator names it): keys
+    # too long for S3 fail the batch now, not in dispatch once the work is done.
+    too_long = output_key_problem(prefix_order_uri.rsplit("/", 1)[0]) if prefix_order_uri else None
+    if too_long:
+        report.add_error(None, BatchFailure.INVALID_OUTPUT_URI,
+                         f"{too_long}; choose an output_uri that much shorter", "output_uri")
+    if report.ok:
         try:
             with storage.open_read(input_uri) as stream:
                 report = validate_stream(

@@ -6,12 +6,14 @@ be read by anything that reads OpenAI batch output (and vLLM's ``run_batch``).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from aibrix_operators.batch.lifecycle import BatchStatus
+from aibrix_operators.storage import is_s3, join_uri
 
 # OpenAI Batch's endpoints (chat, completions, embeddings, responses) and the pooling ones vLLM's
 # run_batch takes (score, rerank); batch/endpoints.py checks the bodies of the last three.
@@ -23,6 +25,46 @@ SUPPORTED_ENDPOINTS: tuple[str, ...] = (
 DEFAULT_MAX_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+
+
+# ------------------------------------------------------------ where a batch's objects go
+def work_prefix(output_uri: str, run_id: str) -> str:
+    """Per-run scratch space beside the outputs; run ids are made path- and key-safe."""
+    return join_uri(output_uri, "_work", re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
+
+
+# S3's limit on an object key: 1,024 bytes of UTF-8.
+S3_MAX_KEY_BYTES = 1024
+# The longest key a batch writes, past its run's work prefix (``<output>/_work/<run id>``): a
+# driver's checkpoint segment, ``/results/shard-NNNNN/<binding>/seg-<attempt>-<seq>.jsonl`` with
+# a 5-digit shard index (at most 1,024 shards), the 24-hex content binding (driver/results.py's
+# 12-byte blake2b), the attempt id (a 20-digit ns time, "-", 8 hex) and a 6-digit sequence (it
+# grows past 6 digits only after a million flushes in one attempt: 11 days of 1 s flushes).
+# Every other key is shorter: shards/shard-NNNNN.jsonl and .lines, prefix-order.npy and CANCEL
+# under the work prefix; output.jsonl, errors.jsonl and batch.json beside _work/.
+# tests/unit/test_output_key_length.py checks this against the keys job.py and the driver build.
+LONGEST_WORK_KEY_SUFFIX = (len("/results/shard-00000/") + 24 + len("/seg-") + 20 + len("-") + 8
+                           + len("-") + 6 + len(".jsonl"))
+
+
+def longest_key_bytes(work: str) -> int:
+    """The longest object key (UTF-8 bytes) a run writes under its work prefix ``work``."""
+    key = work[len("s3://"):].partition("/")[2].lstrip("/") if is_s3(work) else work
+    return len(key.encode()) + LONGEST_WORK_KEY_SUFFIX
+
+
+def output_key_problem(work: str) -> str | None:
+    """Why S3 cannot take every key the run with work prefix ``work`` writes, or None; the
+    caller adds what to change (the output_uri, the drop's name)."""
+    if not is_s3(work):
+        return None
+    longest = longest_key_bytes(work)
+    if longest <= S3_MAX_KEY_BYTES:
+        return None
+    output = work.rsplit("/_work/", 1)[0]
+    return (f"the batch would write S3 keys of up to {longest} bytes under {output[:100]}"
+            f"{'...' if len(output) > 100 else ''}, over S3's limit of {S3_MAX_KEY_BYTES} bytes "
+            f"by {longest - S3_MAX_KEY_BYTES}")
 
 
 def new_request_record_id() -> str:
@@ -167,14 +209,49 @@ class BatchObject:
         return out
 
 
+# The digits of a window: ASCII only (``str.isdigit`` takes any script's digits, ``"١h"``), and few
+# enough that no caller's arithmetic or datetime overflows (999,999,999h is far past any use).
+_WINDOW = re.compile(r"(?P<n>[0-9]{1,9})(?P<unit>[hms])")
+_WINDOW_UNITS = {"h": 3600, "m": 60, "s": 1}
+# The shortest completion_window a deployment accepts unless it says otherwise
+# ([aibrix_batch] min_completion_window): batches are ordered by deadline, so without a floor a
+# tiny window would put its batch first every time.
+DEFAULT_MIN_COMPLETION_WINDOW = "1h"
+
+
+class WindowTooShort(ValueError):
+    """A completion_window under the deployment's minimum; the message says how to fix it."""
+
+
 def parse_completion_window(window: str) -> int:
     """``"24h"``/``"90m"``/``"3600s"`` → seconds; OpenAI accepts only ``24h``, we accept any."""
-    units = {"h": 3600, "m": 60, "s": 1}
-    if not window or window[-1] not in units or not window[:-1].isdigit():
+    match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
+    if match is None:
         raise ValueError(
-            f"completion_window {window!r} is not a duration like '24h', '90m' or '3600s'"
+            f"completion_window {str(window)[:40]!r} is not a duration like '24h', '90m' or '3600s'"
         )
-    seconds = int(window[:-1]) * units[window[-1]]
+    seconds = int(match["n"]) * _WINDOW_UNITS[match["unit"]]
     if seconds <= 0:
         raise ValueError(f"completion_window {window!r} must be positive")
+    return seconds
+
+
+def format_window(seconds: int) -> str:
+    """``3600`` -> ``"1h"``, ``5400`` -> ``"90m"``, ``45`` -> ``"45s"``: the shortest exact form."""
+    for unit in ("h", "m", "s"):
+        if seconds % _WINDOW_UNITS[unit] == 0:
+            return f"{seconds // _WINDOW_UNITS[unit]}{unit}"
+    raise AssertionError("unreachable: every whole number of seconds has a form in s")
+
+
+def check_min_window(window: str, minimum_s: int, setting: str) -> int:
+    """``window`` in seconds; WindowTooShort when it is under ``minimum_s`` (``setting`` names
+    where the minimum comes from, e.g. ``[aibrix_batch] min_completion_window``)."""
+    seconds = parse_completion_window(window)
+    if seconds < minimum_s:
+        least = format_window(minimum_s)
+        raise WindowTooShort(
+            f"completion_window {window!r} is shorter than this deployment's minimum of {least} "
+            f"({setting}); ask for a completion_window of at least {least}, e.g. '{least}'"
+        )
     return seconds

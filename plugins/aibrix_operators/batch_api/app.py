@@ -127,11 +127,11 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
     app.add_middleware(RequestLimits, keyring=lambda: context().keyring(),
                        max_upload_bytes=lambda: context().settings.max_file_bytes + MULTIPART_OVERHEAD)
     # The id patterns are published in the schema but checked by check_*_id (400 in OpenAI's
-    # error shape, not FastAPI's 422). Paths with control characters never get here: the
+    # error shape; no route answers FastAPI's 422). Paths with control characters never get here: the
     # plugin's path guard answers them (batch_api/path_guard.py).
     FileId = Annotated[str, Path(json_schema_extra={"pattern": FILE_ID_RE.pattern})]
     BatchId = Annotated[str, Path(json_schema_extra={"pattern": BATCH_ID_RE.pattern})]
-    common = schemas.error_responses(400, 401, 404, 422)
+    common = schemas.error_responses(400, 401, 404)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -139,10 +139,8 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"invalid request: {first.get('msg', 'malformed body')}" + (f" ({param})" if param else "")
-        return JSONResponse(error_body(422, message, "invalid_request", param), status_code=422)
+        # OpenAI answers a bad query or body with 400 and its error body, never FastAPI's 422.
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -156,7 +154,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
 
     # ------------------------------------------------------------------ files
     @app.post("/v1/files", response_model=schemas.FileObject,
-              responses=schemas.error_responses(400, 401, 413, 422),
+              responses=schemas.error_responses(400, 401, 413),
               openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {
                   "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
                       "file": {"type": "string", "format": "binary"},
@@ -207,7 +205,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
 
     # ------------------------------------------------------------------ batches
     @app.post("/v1/batches", response_model=schemas.Batch,
-              responses=schemas.error_responses(400, 401, 404, 409, 422))
+              responses=schemas.error_responses(400, 401, 404, 409))
     def create_batch(
         body: schemas.CreateBatch, tenant: Tenant,
         idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
@@ -217,7 +215,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
             raise bad_request("Idempotency-Key must be 1 to 255 printable ASCII characters",
                               "Idempotency-Key", "invalid_idempotency_key")
         endpoint = check_endpoint(body.endpoint)
-        check_window(body.completion_window)
+        check_window(body.completion_window, ctx.settings.min_window_s)
         metadata = check_metadata(body.metadata)
         pool_params = check_pool(body.pool, ctx.settings.pool_limits)
         file_id = check_file_id(body.input_file_id, "input_file_id")
@@ -277,7 +275,53 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         log.info("tenant %s cancelled batch %s", tenant, batch_id)
         return _view(ctx, tenant, _row(ctx, tenant, batch_id))
 
+    _publish_no_422(app)
     return app
+
+
+# pydantic's error types -> OpenAI's error codes for the same fault (the rest: invalid_value).
+_VALIDATION_CODES = {
+    "missing": "missing_required_parameter",
+    "greater_than_equal": "integer_below_min_value", "greater_than": "integer_below_min_value",
+    "less_than_equal": "integer_above_max_value", "less_than": "integer_above_max_value",
+    "int_parsing": "invalid_type", "int_type": "invalid_type", "string_type": "invalid_type",
+    "dict_type": "invalid_type", "model_attributes_type": "invalid_type",
+    "json_invalid": "invalid_json", "string_too_long": "string_above_max_length",
+    "string_pattern_mismatch": "invalid_value",
+}
+
+
+def validation_error_body(errors: Any) -> dict[str, Any]:
+    """OpenAI's 400 body for FastAPI's first validation error: ``param`` the query parameter or
+    body field (``limit``, ``metadata``), the message pydantic's words after OpenAI's
+    ``Invalid 'param':`` (never the input itself, which may be large)."""
+    first = errors[0] if errors else {}
+    # loc[0] is query / path / header / body; an int is a position (in a list, or in the JSON text).
+    param = ".".join(p for p in list(first.get("loc", ()))[1:] if isinstance(p, str)) or None
+    detail = str(first.get("msg") or "malformed request")
+    message = f"Invalid '{param}': {detail}" if param else f"Invalid request: {detail}"
+    code = _VALIDATION_CODES.get(str(first.get("type")), "invalid_value")
+    return error_body(400, message, code, param)
+
+
+def _publish_no_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 (its own error shape) on every route with parameters; this API
+    answers those faults with OpenAI's 400, so the schema says so and nothing else."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    if isinstance(operation, dict):
+                        operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _row(ctx: ApiContext, tenant: str, batch_id: str) -> RunRow:

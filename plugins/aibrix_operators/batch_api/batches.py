@@ -10,42 +10,67 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from typing import Any
 
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, JobPoolLimits, PoolLimitExceeded
-from aibrix_operators.batch.records import SUPPORTED_ENDPOINTS, parse_completion_window
+from aibrix_operators.batch.records import (
+    DEFAULT_MIN_COMPLETION_WINDOW,
+    SUPPORTED_ENDPOINTS,
+    check_min_window,
+    parse_completion_window,
+)
 from aibrix_operators.batch_api.errors import bad_request
 from aibrix_operators.batch_api.files import batch_output_uri
 from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY
+from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
 from aibrix_operators.storage import Storage
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_WINDOW_S = 7 * 24 * 3600
+# Unicode categories a metadata key may not hold: control (Cc: NUL, TAB, LF, ...), format (Cf:
+# zero-width and bidi marks, which make two keys look alike) and unpaired surrogates (Cs).
+_REFUSED_KEY_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+DEFAULT_MIN_WINDOW_S = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
 FIRST_LINE_LIMIT = 4 * 1024 * 1024
 # The conf key that carries what the API needs back (file id, creation time); not a DAG param.
 API_CONF_KEY = "openai_batch"
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's rules for ``metadata``: at most 16 pairs, keys of 1 to 64 characters without
+    control or invisible (format) characters, string values of at most 512; else 400. What is
+    accepted is kept exactly as given (the API adds nothing to it: ``aibrix_status`` is a field
+    of its own on the batch object)."""
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise bad_request("metadata must be an object of string pairs", "metadata", "invalid_metadata")
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise bad_request(f"metadata may have at most {MAX_METADATA_PAIRS} pairs", "metadata",
-                          "invalid_metadata")
+        raise bad_request(f"metadata may have at most {MAX_METADATA_PAIRS} pairs, not {len(metadata)}",
+                          "metadata", "invalid_metadata")
     for key, value in metadata.items():
-        if not isinstance(value, str):
-            raise bad_request("metadata values must be strings", "metadata", "invalid_metadata")
+        shown = repr(key[:MAX_METADATA_KEY]) if isinstance(key, str) else type(key).__name__
+        if not isinstance(key, str) or not key:
+            raise bad_request("metadata keys must be non-empty strings", "metadata", "invalid_metadata")
         if len(key) > MAX_METADATA_KEY:
-            raise bad_request(f"metadata keys may have at most {MAX_METADATA_KEY} characters",
+            raise bad_request(f"metadata keys may have at most {MAX_METADATA_KEY} characters "
+                              f"({shown}... has {len(key)})", "metadata", "invalid_metadata")
+        if any(unicodedata.category(c) in _REFUSED_KEY_CATEGORIES for c in key):
+            raise bad_request(f"metadata key {shown} has a control or invisible character",
                               "metadata", "invalid_metadata")
+        if not isinstance(value, str):
+            raise bad_request(f"metadata values must be strings (the value of {shown} is "
+                              f"{type(value).__name__})", "metadata", "invalid_metadata")
         if len(value) > MAX_METADATA_VALUE:
-            raise bad_request(f"metadata values may have at most {MAX_METADATA_VALUE} characters",
+            raise bad_request(f"metadata values may have at most {MAX_METADATA_VALUE} characters "
+                              f"(the value of {shown} has {len(value)})", "metadata", "invalid_metadata")
+        if any(unicodedata.category(c) == "Cs" for c in value):
+            raise bad_request(f"the metadata value of {shown} has an unpaired surrogate",
                               "metadata", "invalid_metadata")
     return dict(metadata)
 
@@ -63,10 +88,11 @@ def check_pool(pool: Any, limits: JobPoolLimits) -> dict[str, Any]:
     return parsed.as_params()
 
 
-def check_window(window: str) -> int:
-    """``24h`` and other whole durations (``90m``, ``3600s``) up to a week; else 400."""
+def check_window(window: str, min_window_s: int = DEFAULT_MIN_WINDOW_S) -> int:
+    """``24h`` and other whole durations (``90m``, ``3600s``) from the deployment's minimum
+    (``[aibrix_batch] min_completion_window``, 1h by default) up to a week; else 400."""
     try:
-        seconds = parse_completion_window(window)
+        seconds = check_min_window(window, min_window_s, MIN_WINDOW_SETTING)
     except ValueError as exc:
         raise bad_request(str(exc), "completion_window", "invalid_completion_window") from None
     if seconds > MAX_WINDOW_S:

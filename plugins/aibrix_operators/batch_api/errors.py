@@ -2,7 +2,7 @@
 
 The official SDK turns the HTTP status into its typed exceptions (400
 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 409 ConflictError,
-422 UnprocessableEntityError; 413 is a plain APIStatusError), and reads
+413 a plain APIStatusError; a bad query or body is a 400 too, never 422), and reads
 ``error.message`` for the exception text.
 """
 

@@ -93,6 +93,9 @@ class Batch(BaseModel):
     usage: dict[str, Any] | None = None
     # Not OpenAI's: the Airflow UI page of the batch's run (null when no public URL is set).
     monitor_url: str | None = None
+    # Not OpenAI's: while in progress, whether the batch will finish in its window at the rate
+    # measured so far ("on track: ..." / "at risk: ..."); null otherwise. Never in metadata.
+    aibrix_status: str | None = None
 
 
 class BatchList(BaseModel):

@@ -12,6 +12,7 @@ DAG param from them, and the DAG checks its own allow-list again on top.
     api_dag_conf = {"concurrency": 64}               # extra DAG params the deployment fixes
     api_monitor_base_url = https://airflow.example.com  # the UI's public URL in monitor_url;
                                                      # default: Airflow's [api] base_url
+    min_completion_window = 1h                       # shortest window (the DAG checks it too)
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from typing import Any
 from urllib.parse import quote
 
 from aibrix_operators.batch.job_pool import JobPoolLimits
-from aibrix_operators.batch.records import DEFAULT_MAX_FILE_BYTES
+from aibrix_operators.batch.records import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MIN_COMPLETION_WINDOW,
+    parse_completion_window,
+)
+from aibrix_operators.settings.completion_window import min_completion_window_s
 from aibrix_operators.settings.job_pool import job_pool_limits
 
 DAG_ID = "batch_inference"
@@ -61,6 +67,9 @@ class ApiSettings:
     monitor_base_url: str | None = None
     # Bounds on a batch's ``pool`` (the same [aibrix_batch] pool_* keys the DAG checks).
     pool_limits: JobPoolLimits = field(default_factory=JobPoolLimits)
+    # The shortest completion_window a batch may ask for ([aibrix_batch] min_completion_window,
+    # the same key the DAG's validate step checks; settings/completion_window.py).
+    min_window_s: int = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
 
     def monitor_url(self, run_id: str) -> str | None:
         """The Airflow UI page of the batch's run (its grid view): ``{base}/dags/{dag}/runs/{run}``,
@@ -109,4 +118,5 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
         monitor_base_url=((get("api_monitor_base_url") or "").strip() or (ui_base_url or "").strip()
                           ).rstrip("/") or None,
         pool_limits=job_pool_limits(get),
+        min_window_s=min_completion_window_s(get),
     )

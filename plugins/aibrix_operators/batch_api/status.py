@@ -25,22 +25,25 @@ from aibrix_operators.batch_api.ids import output_file_id
 from aibrix_operators.redact import scrub_addresses
 
 __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
-# The metadata key of the in-progress status line; while the batch runs it takes the place of a
-# client's own key of that name (which batch.json keeps).
+# The batch object's extension field (beside OpenAI's, like monitor_url) for the in-progress
+# status line. Not in ``metadata``: that stays exactly what the client sent (OpenAI allows 16
+# pairs, and a batch created with 16 must not come back with 17).
 STATUS_LINE_KEY = "aibrix_status"
 
 
 def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
     """The Batch object, OpenAI's fields in OpenAI's order; ids are the API's, never URIs.
 
-    While it is in progress, ``metadata`` also holds ``aibrix_status``: whether the batch will
-    finish in its window at the rate measured so far (``batch/window_outlook.py``, the same
-    judgement as the drivers' AT RISK lines, over the whole batch)."""
+    ``metadata`` is the client's, as sent. While the batch is in progress, the extension field
+    ``aibrix_status`` says whether it will finish in its window at the rate measured so far
+    (``batch/window_outlook.py``, the same judgement as the drivers' AT RISK lines, over the whole
+    batch); null otherwise."""
     api = snap.conf.get(API_CONF_KEY, {})
     published = snap.batch_json or {}
     status = batch_status(snap)
     created_at = int(api.get("created_at") or 0)
     window = snap.conf.get("completion_window", "24h")
+    window_s = _window_s(window)
     validate, merge = snap.step(Step.VALIDATE), snap.step(Step.MERGE)
     # The moment the status became in_progress (validation done), live and after the end alike:
     # a value a client has read never changes. batch.json's own (the first request sent) only
@@ -86,7 +89,7 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "error_file_id": error_id,
         "created_at": created_at,
         "in_progress_at": in_progress_at,
-        "expires_at": created_at + parse_completion_window(window) if created_at else None,
+        "expires_at": created_at + window_s if created_at and window_s else None,
         "finalizing_at": published.get("finalizing_at") or (
             _finalizing_since(merge, snap.step(Step.DISPATCH)) if status == BatchStatus.FINALIZING else None),
         "completed_at": published.get("completed_at") if status == BatchStatus.COMPLETED else None,
@@ -96,22 +99,32 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "cancelling_at": snap.cancel_at,
         "cancelled_at": published.get("cancelled_at") if status == BatchStatus.CANCELLED else None,
         "request_counts": {k: int(counts.get(k, 0)) for k in ("total", "completed", "failed")},
-        "metadata": _metadata(snap, status, counts, in_progress_at, created_at, window, now),
+        "metadata": dict(snap.conf.get("metadata") or {}) or None,
         "usage": published.get("usage") if status in TERMINAL else None,
+        STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, created_at, window_s, now),
     }
 
 
-def _metadata(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int], in_progress_at: int | None,
-              created_at: int, window: str, now: float | None) -> dict[str, str] | None:
-    metadata = dict(snap.conf.get("metadata") or {})
-    if status == BatchStatus.IN_PROGRESS and in_progress_at and created_at and snap.live_counts is not None:
+def _window_s(window: object) -> int | None:
+    """The run's window in seconds; None for one no parser reads (a run triggered another way
+    than through the API, or before a rule tightened): the object is still shown."""
+    try:
+        return parse_completion_window(str(window))
+    except ValueError:
+        return None
+
+
+def _status_line(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int], in_progress_at: int | None,
+                 created_at: int, window_s: int | None, now: float | None) -> str | None:
+    if (status == BatchStatus.IN_PROGRESS and in_progress_at and created_at and window_s
+            and snap.live_counts is not None):
         now = time.time() if now is None else now
         answered = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
         outlook = window_outlook(int(counts.get("total", 0)) - answered, answered, now - in_progress_at,
-                                 created_at + parse_completion_window(window) - now)
+                                 created_at + window_s - now)
         if outlook is not None:
-            metadata[STATUS_LINE_KEY] = outlook.line()
-    return metadata or None
+            return outlook.line()
+    return None
 
 
 def _finalizing_since(merge: list[TaskState], dispatch: list[TaskState]) -> int | None:

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from aibrix_operators.batch.records import output_key_problem, work_prefix
 from aibrix_operators.storage import has_control_characters, split_s3_uri
 
 log = logging.getLogger(__name__)
@@ -129,14 +130,16 @@ class Claim:
 @dataclass(frozen=True)
 class ClaimOutcome:
     """What claiming one listed object found: ``new`` (start a batch), ``duplicate`` (this name
-    with this content already has one: ``run_id``), or ``changed`` (replaced or deleted since it
-    was listed; its next version is a new listing entry)."""
+    with this content already has one: ``run_id``), ``changed`` (replaced or deleted since it
+    was listed; its next version is a new listing entry), or ``refused`` (no batch can run for
+    it as it is named: ``reason`` says why and what to do)."""
 
     status: str
     obj: InboxObject
     claim: Claim | None = None
     run_id: str | None = None
     sha256: str | None = None
+    reason: str | None = None
 
 
 def _digest(*parts: str) -> str:
@@ -168,14 +171,28 @@ def unaddressable(name: str) -> str | None:
     return None
 
 
+def key_length_problem(zone: DropZone, name: str) -> str | None:
+    """Why the batch of drop ``name`` could not write its keys (S3's 1,024-byte limit), or None.
+
+    Its results go under ``outbox/<name>/`` and its work under ``_work/<run id>/`` there; the run
+    id's length depends on the name alone (its content key is fixed-length), so any digest gives
+    the length of the keys it will write (``batch.records.LONGEST_WORK_KEY_SUFFIX``)."""
+    problem = output_key_problem(work_prefix(zone.output_uri(name), run_id_for(name, "0" * 64)))
+    if problem is None:
+        return None
+    return (f"its name ({len(name.encode())} bytes) is too long: {problem}; upload it again under "
+            "a name that much shorter")
+
+
 _refused: set[str] = set()  # names already logged by this process: each is reported once
 
 
 def parse_listing(zone: DropZone, contents: Iterable[dict[str, Any]]) -> list[InboxObject]:
     """Inbox objects from ``list_objects_v2`` entries (sync or async client alike).
 
-    A drop whose name storage cannot address is left out with a warning (once per process), so
-    it is never claimed and never takes a place of ``max_files_per_run`` from the others.
+    A drop whose name storage cannot address, or whose batch's keys would be over S3's limit,
+    is left out with a warning (once per process), so it is never claimed and never takes a
+    place of ``max_files_per_run`` from the others.
     """
     _, prefix = split_s3_uri(zone.inbox)
     out = []
@@ -187,6 +204,11 @@ def parse_listing(zone: DropZone, contents: Iterable[dict[str, Any]]) -> list[In
             if name not in _refused:
                 _refused.add(name)
                 log.warning("drop zone: ignoring %r in %s: %s; rename it", name, zone.inbox, reason)
+            continue
+        if reason := key_length_problem(zone, name):
+            if name not in _refused:
+                _refused.add(name)
+                log.warning("drop zone: ignoring %.120r in %s: %s", name, zone.inbox, reason)
             continue
         out.append(InboxObject(name, str(entry.get("ETag", "")).strip('"'), int(entry.get("Size", 0))))
     return out
@@ -276,9 +298,13 @@ def claim(client: Any, zone: DropZone, obj: InboxObject) -> ClaimOutcome:
     """Hash ``obj``; a (name, content) with a claim record is a ``duplicate`` (and its version is
     marked seen); otherwise snapshot it and return a ``new`` claim, recorded only by ``record``
     once its run exists. Claiming the same thing twice before ``record`` is harmless: both give
-    the same run id, and Airflow creates that run once."""
+    the same run id, and Airflow creates that run once. A drop whose batch would write keys
+    over S3's limit is ``refused`` before anything is read or copied."""
     from botocore.exceptions import ClientError
 
+    if reason := key_length_problem(zone, obj.name):
+        log.error("drop zone: not starting a batch for %.120r: %s", obj.name, reason)
+        return ClaimOutcome("refused", obj, reason=reason)
     try:
         sha256 = _hash_version(client, zone, obj)
         claim_uri = zone.claim_uri(obj.name, sha256)

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aibrix_operators import config_sections
+from aibrix_operators.batch.records import (
+    DEFAULT_MIN_COMPLETION_WINDOW,
+    check_min_window,
+    parse_completion_window,
+)
 from aibrix_operators.dropzone.core import DERIVED_PARAMS, DropZone, DropZoneConfigError
+from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
+from aibrix_operators.settings.completion_window import load_min_completion_window_s
 
 SECTION = config_sections.DROPZONE
 
@@ -36,8 +43,16 @@ class DropZoneSettings:
     max_files_per_run: int = 32
 
 
-def parse_settings(get: Callable[[str], str | None]) -> DropZoneSettings:
-    """Settings from a key → value getter; ``DropZoneConfigError`` says what is wrong."""
+_DEFAULT_MIN_WINDOW_S = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
+
+
+def parse_settings(get: Callable[[str], str | None],
+                   min_window_s: int = _DEFAULT_MIN_WINDOW_S) -> DropZoneSettings:
+    """Settings from a key → value getter; ``DropZoneConfigError`` says what is wrong.
+
+    ``min_window_s``: the deployment's ``[aibrix_batch] min_completion_window``; a
+    ``completion_window`` in ``dag_conf`` under it would fail every dropped file's batch, so it
+    is refused here, once, naming the minimum."""
     inbox, outbox = (get("inbox") or "").strip(), (get("outbox") or "").strip()
     if not inbox or not outbox:
         raise DropZoneConfigError(
@@ -49,6 +64,13 @@ def parse_settings(get: Callable[[str], str | None]) -> DropZoneSettings:
         raise DropZoneConfigError(f"[{SECTION}] dag_conf is not JSON: {exc}") from None
     if not isinstance(dag_conf, dict):
         raise DropZoneConfigError(f"[{SECTION}] dag_conf must be a JSON object of batch_inference params")
+    window = dag_conf.get("completion_window")
+    if window is not None:
+        try:
+            check_min_window(str(window), min_window_s, MIN_WINDOW_SETTING)
+        except ValueError as exc:
+            raise DropZoneConfigError(f"[{SECTION}] dag_conf: {exc}; every file dropped would fail "
+                                      "validation with it") from None
     derived = sorted(DERIVED_PARAMS & set(dag_conf))
     if derived:
         raise DropZoneConfigError(f"[{SECTION}] dag_conf may not set {', '.join(derived)}: "
@@ -75,4 +97,4 @@ def load_settings() -> DropZoneSettings:
     """Read fresh from the worker's Airflow config at run time (no DAG re-parse needed)."""
     from airflow.sdk import conf
 
-    return parse_settings(lambda key: conf.get(SECTION, key, fallback=None))
+    return parse_settings(lambda key: conf.get(SECTION, key, fallback=None), load_min_completion_window_s())
