@@ -23,7 +23,7 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-orchestrator test-inference images lint system-packages eval-model bench clean
+.PHONY: setup run test test-fast test-orchestrator test-inference images lint system-packages eval-model bench clean
 
 # What `make run` uses: nothing of the system packages, the eval model or the images.
 RUN_DEPS := $(VENV)/.installed $(IVENV)/.installed $(MODEL)/config.json
@@ -110,7 +110,16 @@ images: system-packages
 # that mostly wait on the network): built side by side, then the suites, one after the other.
 test:
 	$(MAKE) -j2 setup eval-model images
+	$(VENV)/bin/python -m tests.starts reset
 	$(MAKE) lint test-orchestrator test-inference
+	@$(VENV)/bin/python -m tests.starts
+
+# The inner loop (docs/testing.md): lint and the unit tier, the tests that start no process
+# (tests/tiers.py checks that), in both environments. No system packages, model or image.
+test-fast: $(VENV)/.installed $(IVENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m unit -n 2 --timeout=300 tests --ignore=tests/kvcache
+	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider -m unit -n 2 --timeout=300 tests/kvcache
 
 # Airflow, the driver, S3 and the end-to-end DAG runs. Temporary files stay under /tmp: vLLM puts
 # its IPC sockets in TMPDIR, which some tests point at tmp_path, and a deep --basetemp (a clone in

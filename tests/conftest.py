@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import starts, tiers
+from tests.tiers import pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401 - hooks
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The longest modules (minutes each, measured with --durations), longest first. pytest-xdist's
@@ -56,6 +59,8 @@ UNPINNED_VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    tiers.configure(config)
+    starts.install()
     for name, value in UNPINNED_VLLM_ENV.items():
         os.environ.setdefault(name, value)
 
@@ -77,3 +82,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(name, len(rank))
 
     items.sort(key=key)  # stable: within a file, and among the rest, pytest's own order
+    tiers.mark_units(items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Each xdist worker writes its own counts; the controller's are its workers' starts.
+    starts.COUNTER.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))

@@ -80,6 +80,7 @@ def test_write_batch_file_by_count_and_by_size(tmp_path):
     assert 300_000 - 400 < size <= 300_000 and by_size.read_bytes().count(b"\n") == n
 
 
+@pytest.mark.service
 def test_arrival_stub_answers_late_and_logs_arrivals():
     proc = subprocess.Popen([sys.executable, str(BENCH / "_arrival_stub.py"), "--delay", "0.05"],
                             stdout=subprocess.PIPE, text=True)

@@ -42,6 +42,7 @@ def test_generated_batch_is_valid_and_reused(tmp_path: Path) -> None:
     assert result["bytes"] == path.stat().st_size and result["peak_rss_kib"] > 0
 
 
+@pytest.mark.service
 def test_validate_split_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     vs = _load("validate_split")
     rc = vs.main(["--lines", "400", "--rss-lines", "100", "--shard-requests", "150",
@@ -54,6 +55,7 @@ def test_validate_split_main(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert not (tmp_path / "split-out").exists()
 
 
+@pytest.mark.service
 def test_driver_stub_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ds = _load("driver_stub")
     rc = ds.main(["--requests", "300", "--concurrency", "4,16", "--no-pin",
@@ -65,6 +67,7 @@ def test_driver_stub_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert needle in out
 
 
+@pytest.mark.service
 def test_stub_answers_keep_alive_and_pipelined_requests() -> None:
     ds = _load("driver_stub")
     stub_mod = sys.modules["_stub_server"]
@@ -88,6 +91,7 @@ def test_stub_answers_keep_alive_and_pipelined_requests() -> None:
         assert stub_mod.ceiling(stub.port, requests=200, connections=4) > 0
 
 
+@pytest.mark.service
 def test_stub_serves_a_vllm_metrics_page_that_shared_mode_reads(tmp_path: Path) -> None:
     """--shared-cost's parts without callgrind: the page is understood by the controller (a
     tick that reads nothing would measure the no-signal fallback), and a shared-mode run ends."""
@@ -147,6 +151,7 @@ def test_kvcache_prefix_pooled_ratio_averages_over_each_conditions_servers() -> 
     assert "hit ours_l1 / example_conn, pooled" not in ratios  # needs two servers of each
 
 
+@pytest.mark.service
 def test_driver_container_start_bench_runs_both_modes() -> None:
     import subprocess
 
@@ -158,6 +163,7 @@ def test_driver_container_start_bench_runs_both_modes() -> None:
     assert lines[-1].startswith("container / process (medians): ")
 
 
+@pytest.mark.service
 def test_dag_at_scale_profiles_a_shard_and_reads_its_own_outputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,6 +12,10 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.service
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "model_fetch.py"
 
 

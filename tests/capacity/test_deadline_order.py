@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 
+import pytest
+
 from aibrix_operators import deadline_order
 
 NOW = datetime(2026, 12, 2, 1, 0, tzinfo=UTC)
@@ -49,6 +51,7 @@ def test_the_package_registers_the_policy_with_airflow() -> None:
     assert "aibrix_operators.deadline_order" in names
 
 
+@pytest.mark.service
 def test_airflow_calls_the_hook_when_a_run_is_created() -> None:
     # A fresh process, as Airflow's components start: airflow first, which loads the entry point.
     # Without airflow_local_settings.py Airflow would mark the hook a no-op and skip it when a run's

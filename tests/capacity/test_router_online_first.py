@@ -23,6 +23,8 @@ from aibrix_operators.storage import LocalStorage
 from tests.router.stub_backend import StubBackend
 from tests.router.test_router_timeouts import RouterProcess
 
+pytestmark = pytest.mark.service
+
 ONLINE = {"model": "m", "prompt": "online", "max_tokens": 4}
 BATCH = {**ONLINE, "prompt": "batch", "priority": 10}
 

@@ -153,6 +153,7 @@ def test_list_json_is_one_json_array(stub, tmp_path, capsys):
     assert header.startswith("ID ") and row.startswith(BATCH_ID) and "3/3" in row
 
 
+@pytest.mark.service
 def test_list_json_of_the_real_entry_point_with_a_wrong_key(stub, tmp_path):
     proc = cli_process(url(stub), tmp_path, "--json", "list", key="sk-wrong")
     assert (proc.returncode, proc.stdout) == (3, ""), proc
@@ -202,6 +203,7 @@ def test_python_client_refuses_a_bad_file_before_upload(stub, tmp_path):
     assert stub.uploaded == []
 
 
+@pytest.mark.service
 def test_create_bad_file_through_the_real_entry_point(stub, tmp_path):
     path = write_lines(tmp_path / "in.jsonl", request("a"), "{not json")
     proc = cli_process(url(stub), tmp_path, "create", "--input", str(path), "--wait")

@@ -16,6 +16,8 @@ import pytest
 from aibrix_operators.client import BatchClient
 from tests.client.batch_api_stub import BATCH_ID, KEY
 
+pytestmark = pytest.mark.service
+
 STUB = Path(__file__).with_name("batch_api_stub.py")
 CLI = str(Path(sys.executable).with_name("aibrix-batch"))
 MB = 1_000_000

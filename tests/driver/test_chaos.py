@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.service
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 TRIALS = 20
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from aibrix_operators.driver import cli
 from aibrix_operators.serving.local_vllm import free_port
 from tests.driver.test_driver_faults import write_shard
@@ -22,6 +24,7 @@ def base_args(tmp_path, endpoint: str, shard: str) -> list[str]:
             "--flush-interval", "0.05", "--progress-interval", "0.5"]
 
 
+@pytest.mark.service
 def test_help_documents_every_flag_env_and_exit_codes(tmp_path):
     proc = run_cli("--help", cwd=tmp_path)
     assert proc.returncode == 0
@@ -38,6 +41,7 @@ def test_help_documents_every_flag_env_and_exit_codes(tmp_path):
         assert f"\n  {code} " in proc.stdout
 
 
+@pytest.mark.service
 def test_wrong_endpoint_is_one_line_exit_3_and_records_nothing(tmp_path, make_request):
     shard = write_shard(tmp_path, [make_request(f"a{i}") for i in range(5)])
     proc = run_cli(*base_args(tmp_path, f"http://127.0.0.1:{free_port()}", shard), cwd=tmp_path)
@@ -48,6 +52,7 @@ def test_wrong_endpoint_is_one_line_exit_3_and_records_nothing(tmp_path, make_re
     assert not (tmp_path / "results").exists()  # nothing recorded: a re-run sends everything
 
 
+@pytest.mark.service
 def test_model_not_served_exit_4(tmp_path, fault_server, make_request):
     shard = write_shard(tmp_path, [make_request("a")])
     proc = run_cli(*base_args(tmp_path, fault_server.url, shard), "--model", "other", cwd=tmp_path)
@@ -56,6 +61,7 @@ def test_model_not_served_exit_4(tmp_path, fault_server, make_request):
     assert fault_server.counts() == {}
 
 
+@pytest.mark.service
 def test_request_errors_exit_1_consistently_across_reruns(tmp_path, fault_server, make_request):
     records = [make_request(f"ok{i}") for i in range(8)] + [make_request("bad", "400")]
     shard = write_shard(tmp_path, records)
@@ -70,6 +76,7 @@ def test_request_errors_exit_1_consistently_across_reruns(tmp_path, fault_server
     assert fault_server.count("bad") == 1
 
 
+@pytest.mark.service
 def test_all_answered_exit_0(tmp_path, fault_server, make_request):
     shard = write_shard(tmp_path, [make_request(f"ok{i}") for i in range(4)])
     proc = run_cli(*base_args(tmp_path, fault_server.url, shard), "--total", "4", cwd=tmp_path)
@@ -79,6 +86,7 @@ def test_all_answered_exit_0(tmp_path, fault_server, make_request):
     assert "planned with 5" in changed.stderr and "Traceback" not in changed.stderr
 
 
+@pytest.mark.service
 def test_bad_arguments_exit_2_with_the_reason(tmp_path):
     proc = run_cli("--shard-uri", "x", "--results-prefix", "y", "--endpoint", "http://h",
                    "--concurrency", "0", cwd=tmp_path)
@@ -86,6 +94,7 @@ def test_bad_arguments_exit_2_with_the_reason(tmp_path):
     assert "concurrency must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.service
 def test_missing_shard_is_a_storage_error_exit_5(tmp_path, fault_server):
     proc = run_cli(*base_args(tmp_path, fault_server.url, str(tmp_path / "absent.jsonl")), cwd=tmp_path)
     assert proc.returncode == cli.EXIT_STORAGE

@@ -15,6 +15,8 @@ from aibrix_operators.storage import S3Storage
 from tests.driver.test_driver_faults import config, results_by_id
 from tests.integration.services import start_seaweedfs, stop_group
 
+pytestmark = pytest.mark.service
+
 BUCKET = "ckpt"
 N = 400
 

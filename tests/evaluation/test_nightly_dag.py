@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".work" / "airflow-unit"))
 

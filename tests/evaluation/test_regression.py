@@ -96,6 +96,7 @@ def _night(tmp_path: Path, suite: Suite, date: str, right: int, total: int = 100
     return {"summary": summary, "report": written, "prefix": Path(plan.prefix)}
 
 
+@pytest.mark.service
 def test_steps_over_three_nights(tmp_path):
     suite = _suite(addition_dataset(tmp_path))
     first = _night(tmp_path, suite, "2026-11-01", right=90)
@@ -163,6 +164,7 @@ def _adapter_night(tmp_path: Path, suite: Suite, date: str, right: dict[str, int
     return {"summary": summary, "report": written, "prefix": Path(plan.prefix)}
 
 
+@pytest.mark.service
 def test_adapter_beside_its_model_side_by_side_and_judged_alone(tmp_path):
     suite = replace(_suite(addition_dataset(tmp_path)), adapters=("m-lora",))
     first = _adapter_night(tmp_path, suite, "2026-11-01", {"m": 10, "m-lora": 95})

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.evaluation.test_regression import _night, _suite, addition_dataset
 
@@ -14,6 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from screenshot_report import screenshot  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 
 def _has_colour(img: np.ndarray, rgb: tuple[int, int, int], tol: int = 6, min_pixels: int = 50) -> bool:

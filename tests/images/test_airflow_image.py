@@ -16,6 +16,8 @@ from aibrix_operators.localenv import EXECUTOR
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
+pytestmark = pytest.mark.e2e
+
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
 EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic"}
 RECOVERY_KEYS = [k.removeprefix("AIRFLOW__SCHEDULER__").lower() for k in RECOVERY_ENV]

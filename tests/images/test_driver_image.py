@@ -8,9 +8,13 @@ import json
 import os
 import re
 
+import pytest
+
 from aibrix_operators.storage import LocalStorage, S3Storage
 from tests.driver.test_driver_faults import results_by_id, write_shard
 from tests.images.containers import inspect, last_error_line, run
+
+pytestmark = pytest.mark.e2e
 
 FAST = ["--backoff-base", "0.01", "--backoff-max", "0.1", "--flush-interval", "0.05",
         "--progress-interval", "0.5"]  # fmt: skip

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, inspect
 from tests.router.stub_backend import StubBackend
+
+pytestmark = pytest.mark.e2e
 
 COMPLETION = {"model": "m", "prompt": "the router image routes this", "max_tokens": 4}
 

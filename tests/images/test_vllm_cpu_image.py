@@ -9,8 +9,12 @@ import shutil
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect
+
+pytestmark = pytest.mark.e2e
 
 KV_TRANSFER = {
     "kv_connector": "KVCacheConnector", "kv_connector_module_path": "kvcache.connector",

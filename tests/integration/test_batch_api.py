@@ -28,6 +28,8 @@ from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, tenant_cache_salt
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
 MAX_UPLOAD = 2 * 1024 * 1024
 SALT_KEY = "salt-key-" + secrets.token_hex(16)
 TERMINAL = ("completed", "failed", "expired", "cancelled")

@@ -17,6 +17,8 @@ from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.storage import MULTIPART_PART_BYTES, S3Storage
 from tests.integration.conftest import TEST_BUCKET
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture
 def store(s3_server) -> tuple[FileStore, object, str]:

@@ -22,6 +22,8 @@ from tests.integration.gate_proxy import GateProxy
 from tests.k8s_double import FakeCluster, Image
 from tests.k8s_double.fixtures import driver_container_image
 
+pytestmark = pytest.mark.e2e
+
 NS = "batch"
 PLANTED = "sk-planted-k8s-3b9d27e1c4"  # the inference Secret's key: must never leave the Secret
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, read_jsonl, write_jsonl
+
+pytestmark = pytest.mark.e2e
 
 
 def assert_chat_completion(record: dict) -> None:

@@ -24,6 +24,8 @@ from aibrix_operators.dropzone.core import (
 from aibrix_operators.triggers.dropzone import DropZoneTrigger
 from tests.integration.conftest import TEST_BUCKET
 
+pytestmark = pytest.mark.service
+
 A = b'{"custom_id": "a"}\n'
 B = b'{"custom_id": "b"}\n'
 

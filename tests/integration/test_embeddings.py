@@ -6,8 +6,12 @@ import json
 import math
 import subprocess
 
+import pytest
+
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.integration.conftest import INFERENCE_PYTHON, dags_test, read_jsonl, write_jsonl
+
+pytestmark = pytest.mark.e2e
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 

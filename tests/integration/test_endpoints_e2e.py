@@ -28,6 +28,8 @@ from tests.integration.test_embeddings import MODEL_NAME as MINILM
 from tests.integration.test_embeddings import minilm_path
 from tests.integration.test_output_shape import key_structure
 
+pytestmark = pytest.mark.e2e
+
 # The line envelope OpenAI's batch output and vLLM run_batch's share (their BatchRequestOutput).
 ENVELOPE = {"id": None, "custom_id": None, "error": None,
             "response": {"status_code": None, "request_id": None, "body": None}}

@@ -30,6 +30,8 @@ from tests.integration.conftest import (
 )
 from tests.integration.services import start_seaweedfs, stop_group
 
+pytestmark = pytest.mark.e2e
+
 PLANTED = "sk-planted-7f3c9a1e5b"        # the inference connection's password
 PLANTED_ENV = "sk-worker-env-44d0b2c8a6"  # a key in the worker's own environment
 

@@ -30,6 +30,8 @@ from aibrix_operators.serving.model_manifest import MANIFEST_NAME, write_manifes
 from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
 from tests.integration.services import S3Server
 
+pytestmark = pytest.mark.e2e
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "lora-test"
 ADAPTERS = {"a1": 1, "a2": 2, "a3": 3}  # name -> make_lora seed

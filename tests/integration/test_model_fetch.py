@@ -25,6 +25,8 @@ from aibrix_operators.serving.model_fetch import EXIT_MISMATCH, EXIT_MISSING, EX
 from aibrix_operators.serving.model_manifest import FORMAT, MANIFEST_NAME, STATE_DIR, write_manifest
 from tests.integration.services import S3Server
 
+pytestmark = pytest.mark.service
+
 BUCKET = "models-test"
 MIB = 1024 * 1024
 # Small ranges, so even these few-MB files go as several parallel ranged GETs.

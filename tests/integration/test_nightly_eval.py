@@ -22,6 +22,8 @@ from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.integration.conftest import INFERENCE_PYTHON, TEST_BUCKET
 from tests.metrics.conftest import start_pushgateway
 
+pytestmark = pytest.mark.e2e
+
 EVAL_MODEL = WORK_DIR / "models" / "eval-llama"
 DEGRADED_MODEL = WORK_DIR / "models" / "eval-llama-degraded"
 SERVED = "eval-llama"

@@ -25,6 +25,8 @@ from tests.integration.conftest import INFERENCE_PYTHON, TEST_BUCKET
 from tests.integration.services import S3Server
 from tests.integration.test_nightly_eval import EVAL_MODEL, SERVED, eval_dag
 
+pytestmark = pytest.mark.e2e
+
 ADAPTER = "eval-llama-reverse"
 ADAPTER_DIR = WORK_DIR / "models" / ADAPTER
 DEGRADED_DIR = WORK_DIR / "models" / f"{ADAPTER}-degraded"

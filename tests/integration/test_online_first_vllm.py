@@ -27,7 +27,7 @@ from tests.integration.conftest import SERVED_NAME
 
 # Alone, in the serial phase: one more vLLM server starting in the parallel phase is one more
 # beside the busy Airflow stacks there (servers took over 240 s to start there on 2026-12-03).
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.service, pytest.mark.serial]
 
 MAX_NUM_SEQS = 2
 # Long enough that a generation not aborted would take many seconds (about 9 s per 1,000 tokens

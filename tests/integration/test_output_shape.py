@@ -20,7 +20,7 @@ from tests.integration.conftest import (
 
 # vLLM's run_batch once exited 1 here beside another worker's vLLM server (its error not kept
 # then; the assert below now shows it): run alone.
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 def key_structure(value: Any) -> Any:

@@ -23,6 +23,8 @@ import pytest
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.integration.conftest import SERVED_NAME, dags_test, read_jsonl, write_jsonl
 
+pytestmark = pytest.mark.e2e
+
 GROUPS, MEMBERS = 12, 8
 KV_TOKENS = 3072  # 4 KiB of KV per token: 4 layers x 2 KV heads x 64 x 2 (K, V) x fp32
 

@@ -9,6 +9,8 @@ import pytest
 from aibrix_operators.local_airflow import start_airflow, trigger_and_wait
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def airflow(airflow_session_env, tmp_path_factory):

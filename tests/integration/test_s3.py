@@ -10,6 +10,8 @@ import pytest
 from aibrix_operators.storage import S3Storage, StorageError
 from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
 BUCKET = "batch-test"
 
 

@@ -14,6 +14,8 @@ from aibrix_operators.dropzone.core import DropZone, InboxObject
 from aibrix_operators.local_airflow import start_airflow
 from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
 ZONE = DropZone.parse(f"s3://{TEST_BUCKET}/dropzone/inbox/", f"s3://{TEST_BUCKET}/dropzone/outbox/")
 PREFIX = "dropzone/"
 

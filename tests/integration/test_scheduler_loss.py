@@ -21,6 +21,8 @@ from aibrix_operators.local_airflow import start_airflow, wait_until
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 from tests.integration.gate_proxy import GateProxy
 
+pytestmark = pytest.mark.e2e
+
 DAG = "batch_inference"
 REQUESTS = 240
 PER_SHARD = 120

@@ -29,7 +29,7 @@ from tests.integration.conftest import SERVED_NAME
 
 # Who is served first, and what the controller saw, depend on the server's load: alone, not beside
 # another worker's vLLM (a burst under a second worker's load never filled vLLM's queue).
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 MAX_NUM_SEQS = 2
 BURST_AT_MOST_S = 20.0

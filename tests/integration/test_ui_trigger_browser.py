@@ -27,6 +27,8 @@ from aibrix_operators.local_airflow import AirflowDeployment, start_airflow
 from aibrix_operators.localenv import WORK_DIR
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 
+pytestmark = pytest.mark.e2e
+
 ARTIFACTS = WORK_DIR / "artifacts" / "ui-trigger"
 UI_WAIT_S = 60  # page loads and form rendering on a busy 2-core machine
 RUN_WAIT_S = 300  # the run itself: four tasks scheduled one after another, plus vLLM

@@ -54,6 +54,7 @@ def test_selectors() -> None:
     assert not field_selector_matches("involvedObject.name=x", {"involvedObject": {"name": "y"}})
 
 
+@pytest.mark.service
 def test_pod_runs_with_secret_env_and_reports_logs_and_exit_code(fake_cluster) -> None:  # noqa: F811
     api = core(fake_cluster)
     fake_cluster.add_secret(NS, "creds", {"TOKEN": "s3cr3t-value"})
@@ -86,6 +87,7 @@ def test_pod_runs_with_secret_env_and_reports_logs_and_exit_code(fake_cluster) -
     assert reasons[:2] == ["Scheduled", "Pulled"] and "Started" in reasons
 
 
+@pytest.mark.service
 def test_list_watch_patch_delete_and_faults(fake_cluster) -> None:  # noqa: F811
     api = core(fake_cluster)
     # Exits 143 on SIGTERM: in a container it is PID 1, which the kernel shields from signals it
@@ -131,6 +133,7 @@ def test_list_watch_patch_delete_and_faults(fake_cluster) -> None:  # noqa: F811
     assert unauth.value.status == 401
 
 
+@pytest.mark.service
 def test_node_failures_image_unschedulable_evicted_deadline(fake_cluster) -> None:  # noqa: F811
     api = core(fake_cluster)
     api.create_namespaced_pod(NS, pod("i-1", "pass", image="registry.invalid/none:1"))
@@ -162,6 +165,7 @@ def test_node_failures_image_unschedulable_evicted_deadline(fake_cluster) -> Non
     wait_phase(api, "u-1", ("Succeeded",), fake_cluster)
 
 
+@pytest.mark.service
 def test_async_client_reads_and_watch_can_stall(fake_cluster) -> None:  # noqa: F811
     api = core(fake_cluster)
     api.create_namespaced_pod(NS, pod("a-1", "print('hello')"))

@@ -51,10 +51,12 @@ def test_filesystem_store(tmp_path) -> None:
     assert not list(tmp_path.rglob(".tmp-*"))
 
 
+@pytest.mark.service
 def test_redis_store(redis_server) -> None:
     _exercise(RedisStore(redis_server.url))
 
 
+@pytest.mark.service
 def test_redis_down_is_unavailable_then_recovers(redis_server) -> None:
     store = RedisStore(redis_server.url, timeout_s=0.2, retry_s=0.3)
     store.put("kv:a", b"x")
@@ -73,6 +75,7 @@ def test_redis_down_is_unavailable_then_recovers(redis_server) -> None:
     assert not store.is_down
 
 
+@pytest.mark.service
 def test_writer_is_async_and_survives_outage(redis_server) -> None:
     store = RedisStore(redis_server.url, timeout_s=0.2, retry_s=0.1)
     writer = L2Writer(store, max_queue=8)
@@ -181,6 +184,7 @@ def test_secrets_masked_and_read_from_env_or_file(tmp_path, monkeypatch) -> None
     assert read_secret("", "") is None
 
 
+@pytest.mark.service
 def test_redis_password_from_env_and_never_logged(tmp_path, monkeypatch, caplog) -> None:
     """Against a redis-server that requires a password: the store authenticates with the one
     from the environment; a password left in the URL is masked in every log line."""
@@ -279,6 +283,7 @@ def test_a_hostile_fs_tier_cannot_hang_or_exhaust_the_reader(tmp_path) -> None:
     assert torch.equal(out, t)
 
 
+@pytest.mark.service
 def test_an_oversize_redis_value_is_refused_without_reading_it_whole(redis_server) -> None:
     import redis as redis_client
 

@@ -81,6 +81,7 @@ def _in_thread(fn, limit_s: float):
     return box, time.monotonic() - t0
 
 
+@pytest.mark.service
 def test_a_read_hung_in_the_kernel_is_a_miss_within_the_timeout(hung_mount: Path) -> None:
     store = FilesystemStore(str(hung_mount), timeout_s=TIMEOUT_S, retry_s=60)
     key = "kv:ns:r0:ab:L0"
@@ -95,6 +96,7 @@ def test_a_read_hung_in_the_kernel_is_a_miss_within_the_timeout(hung_mount: Path
     store.close()
 
 
+@pytest.mark.service
 def test_a_hung_shared_tier_never_blocks_the_forward_pass(hung_mount: Path, tmp_path: Path) -> None:
     """A step that loads one chunk from L1 and two from the hung tier: it finishes within the
     timeout, the two are recomputed, the L1 chunk loads its exact bytes."""
@@ -119,6 +121,7 @@ def test_a_hung_shared_tier_never_blocks_the_forward_pass(hung_mount: Path, tmp_
     worker.shutdown()
 
 
+@pytest.mark.service
 def test_hung_threads_are_bounded(hung_mount: Path) -> None:
     store = FilesystemStore(str(hung_mount), timeout_s=1.0, retry_s=0)
     for i in range(store.deadline.threads):

@@ -9,6 +9,7 @@ import shutil
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from test_kvcache_worker import BS, DIM2, HEADS, LAYERS, _step, _worker
 
@@ -162,6 +163,7 @@ def test_scheduler_lookahead_is_off_by_default_and_without_l2(tmp_path) -> None:
         assert sched.line.depth == 0 and sched.build_meta(STEP, {}).prefetch == []
 
 
+@pytest.mark.service
 def test_an_l2_outage_during_a_prefetch_loses_no_slot_and_a_later_prefetch_stores(redis_server) -> None:
     """Redis killed before the fetch: the chunks are reported not stored (counted failed), every
     slot goes back. Redis back (empty: it keeps nothing on disk) and written again, the next

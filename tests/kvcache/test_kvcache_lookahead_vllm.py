@@ -19,9 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from kvcache_testlib import RedisServer, completion, random_prompt, scrape
 
 from kvcache.launch import LocalServer, free_port, kv_transfer_config
+
+pytestmark = pytest.mark.service
 
 BLOCK = 128
 CHUNK_BYTES = 4 * 2 * 128 * 128 * 4  # 4 layers x 2 kv heads x 128 tokens x 128 floats x 4 bytes

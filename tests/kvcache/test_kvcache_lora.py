@@ -19,6 +19,8 @@ from kvcache_testlib import RedisServer, assert_same, completion, load_make_lora
 
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 LAYERS = 4
 ADAPTERS = {"a1": 1, "a2": 2}  # name -> generator seed

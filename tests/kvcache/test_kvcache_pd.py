@@ -19,6 +19,8 @@ from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scr
 
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 LAYERS = 4
 WAIT_S = 3.0  # the consumer's handoff_wait_s (the timeout test waits it out once)

@@ -18,6 +18,8 @@ from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scr
 
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 LAYERS = 4
 

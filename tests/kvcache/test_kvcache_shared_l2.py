@@ -28,6 +28,8 @@ from kvcache_testlib import RedisServer, assert_same, random_prompt, scrape
 from kvcache import codec
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 LAYERS = 4
 _HEAD = struct.Struct("<4sI")

@@ -44,6 +44,8 @@ from kvcache_testlib import (
 from kvcache import codec
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 # Tiny model: 4 layers x 2 kv heads x 128 tokens x 128 floats x 4 bytes = 512 KiB per chunk.
 CHUNK_BYTES = 4 * 2 * 128 * 128 * 4

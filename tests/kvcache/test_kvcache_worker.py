@@ -81,6 +81,7 @@ def test_missing_and_corrupt_chunks_are_reported(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["fs", "redis"])
+@pytest.mark.service
 def test_second_process_loads_from_l2(backend: str, tmp_path, redis_server) -> None:
     """A producer's saves reach L2; a fresh worker (empty L1) loads them and promotes to L1."""
 

@@ -25,6 +25,8 @@ from kvcache_testlib import LOGPROB_TOL, RedisServer, random_prompt, scrape
 
 from kvcache.launch import REPO, LocalServer, cached_tokens, free_port, kv_transfer_config
 
+pytestmark = pytest.mark.service
+
 BLOCK = 128
 LAYERS = 4
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import prometheus_client
+import pytest
 from prometheus_client import generate_latest
 
 from tests.metrics.conftest import check_metrics
+
+pytestmark = pytest.mark.service
 
 
 def _lint(promtool, text: str) -> None:

@@ -42,6 +42,7 @@ def test_unknown_phase_is_refused():
         BatchSnapshot("b", "done")
 
 
+@pytest.mark.e2e
 def test_operators_push_the_batch_through_its_phases(tmp_path, fault_server, make_request, pushgateway,
                                                      monkeypatch):
     """validate → split → 3 dispatch tasks → merge of a 9-request batch (one request fails on its
@@ -85,6 +86,7 @@ def test_no_pushgateway_configured_pushes_nothing(monkeypatch):
     assert publish(BatchSnapshot("b", "validating"), prune_now=True) is False
 
 
+@pytest.mark.e2e
 def test_finished_and_abandoned_batches_are_pruned_after_the_retention(pushgateway):
     now = time.time()
     publish(BatchSnapshot("done_old", "completed", requests=1), pushgateway)

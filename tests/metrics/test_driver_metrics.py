@@ -43,6 +43,7 @@ def _value(text: str, sample: str) -> float:
     raise AssertionError(f"{sample} not in exposition")
 
 
+@pytest.mark.e2e
 async def test_collector_counts_what_the_shard_did(tmp_path, fault_server, make_request, promtool):
     before = generate_latest(metrics.REGISTRY).decode()
     ok0 = _value(before, 'aibrix_driver_requests_total{outcome="completed"}')
@@ -86,6 +87,7 @@ def _query(port: int, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
+@pytest.mark.e2e
 def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_request, monkeypatch,
                                                   pushgateway):
     """The project's scrape config (monitoring/prometheus/prometheus.yml), its driver target

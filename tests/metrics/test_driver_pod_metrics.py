@@ -93,6 +93,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.service
 def test_driver_pod_serves_and_pushes_its_metrics(tmp_path, process_cluster, fault_server,  # noqa: F811
                                                   make_request, pushgateway):
     # Process mode: the shard is a local file, and the double does not model volumes. The driver

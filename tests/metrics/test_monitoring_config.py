@@ -24,6 +24,7 @@ def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([*args], capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
+@pytest.mark.service
 def test_alert_rules_check_and_unit_tests(promtool):
     rules = MON / "prometheus" / "rules"
     checked = _run(str(promtool), "check", "rules", str(rules / "aibrix.yml"))
@@ -38,6 +39,7 @@ def test_alert_rules_check_and_unit_tests(promtool):
     ("unless on () (sum(rate(aibrix_driver_requests_total[15m])) > 0)", "", "AibrixBatchNoProgress"),
     ("< time() - 600", "< time() - 6000", "AibrixBatchPastDeadline"),
 ])
+@pytest.mark.service
 def test_rule_unit_tests_fail_when_a_rule_is_wrong(promtool, tmp_path, good, broken, alert):
     """The rule tests are not vacuous: a broken threshold or clause makes them fail."""
     rules = MON / "prometheus" / "rules"
@@ -76,6 +78,7 @@ def test_dashboard_covers_what_operators_watch():
     assert not missing, missing
 
 
+@pytest.mark.service
 def test_dashboard_queries_parse(promtool, tmp_path):
     """promtool has no bare PromQL checker: each panel query becomes a recording rule."""
     exprs = _dashboard_exprs()
@@ -115,6 +118,7 @@ def test_every_queried_metric_is_exported():
     assert not missing, missing
 
 
+@pytest.mark.service
 def test_eval_exposition_passes_promtool(promtool):
     history = [Night("2026-11-01", "m", 0.9, 0.85, 0.95, 200), Night("2026-11-02", "m", 0.5, 0.4, 0.6, 200,
                                                                    regression=True)]

@@ -8,6 +8,8 @@ import os
 import socket
 import urllib.request
 
+import pytest
+
 from aibrix_operators.driver import metrics as driver_metrics
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
@@ -28,6 +30,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name}{labels} not pushed")
 
 
+@pytest.mark.service
 async def test_driver_pushes_its_totals_when_the_shard_ends(tmp_path, fault_server, make_request,
                                                             pushgateway, monkeypatch):
     monkeypatch.setenv("AIBRIX_PUSHGATEWAY_URL", pushgateway)
@@ -45,6 +48,7 @@ async def test_driver_pushes_its_totals_when_the_shard_ends(tmp_path, fault_serv
     assert _sample(text, "aibrix_driver_request_duration_seconds_count", job="aibrix_driver") >= 15
 
 
+@pytest.mark.service
 def test_eval_night_pushed_per_suite_and_model(pushgateway, monkeypatch):
     monkeypatch.setenv("AIBRIX_PUSHGATEWAY_URL", pushgateway)
     good = Night("2026-11-01", "m", 0.97, 0.94, 0.99, 100)

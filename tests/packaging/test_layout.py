@@ -7,6 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,6 +48,7 @@ def test_every_package_folder_has_a_row():
     assert not missing, f"package folders missing from README's Layout table: {sorted(missing)}"
 
 
+@pytest.mark.service
 def test_every_top_level_folder_has_a_row():
     missing = top_level_folders() - layout_paths()
     assert not missing, f"top-level folders missing from README's Layout table: {sorted(missing)}"

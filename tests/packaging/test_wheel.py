@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"aibrix_operators": REPO / "plugins" / "aibrix_operators", "kvcache": REPO / "kvcache"}
 

@@ -20,6 +20,8 @@ import pytest
 from aibrix_operators.serving.local_vllm import free_port
 from tests.router.stub_backend import StubBackend
 
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 IDLE_S = 1.0
 BODY_S = 1.0

@@ -181,6 +181,7 @@ def group_replicas(cluster: ScalingCluster, role: str) -> list[int]:
     return [cluster.get(STATEFULSETS, NS, f"{role}-g{i}")["spec"]["replicas"] for i in range(4)]
 
 
+@pytest.mark.service
 def test_plain_overlay_scales_by_whole_groups(scaling_cluster: ScalingCluster) -> None:
     plain_overlay_into(scaling_cluster)
     s = scaler(scaling_cluster)
@@ -205,6 +206,7 @@ def test_plain_overlay_scales_by_whole_groups(scaling_cluster: ScalingCluster) -
     assert group_replicas(scaling_cluster, "decode") == [2, 2, 2, 2]
 
 
+@pytest.mark.service
 def test_plain_overlay_refuses_what_would_break_a_gang(scaling_cluster: ScalingCluster) -> None:
     plain_overlay_into(scaling_cluster)
     s = scaler(scaling_cluster)
@@ -233,6 +235,7 @@ def test_plain_overlay_refuses_what_would_break_a_gang(scaling_cluster: ScalingC
         s.replicas(ScaleTarget("router", "StatefulSetGroups", "router", NS))
 
 
+@pytest.mark.service
 async def test_async_ready_replicas_of_groups(scaling_cluster: ScalingCluster) -> None:
     from kubernetes_asyncio import config
 

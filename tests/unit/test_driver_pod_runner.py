@@ -110,6 +110,7 @@ def test_the_pod_request_is_the_driver_pod_plus_the_task_labels():
     assert sent["spec"] == want["spec"]  # every field: env refs, ports, resources, contexts, deadline
 
 
+@pytest.mark.service
 def test_a_pod_is_created_deferred_on_the_provider_trigger_and_judged(cluster, caplog):
     code = f"import json; print('working'); print(json.dumps({OUTCOME!r}))"
     ctx = context()
@@ -127,6 +128,7 @@ def test_a_pod_is_created_deferred_on_the_provider_trigger_and_judged(cluster, c
     cluster.wait_for(lambda: cluster.pods(NS) == [], 10, "the finished pod deleted")
 
 
+@pytest.mark.service
 def test_a_failed_pod_is_judged_from_its_exit_code_and_log(cluster):
     code = "import sys; print('x ERROR shard: no such key'); sys.exit(5)"
     deferral = deferred(runner(code).start, context())
@@ -137,6 +139,7 @@ def test_a_failed_pod_is_judged_from_its_exit_code_and_log(cluster):
     assert "no such key" in str(verdict.failure)
 
 
+@pytest.mark.service
 def test_a_start_again_reattaches_to_this_tries_pod_and_a_retry_to_a_running_one(cluster):
     sleeper = "import time; time.sleep(60)"
     store = Store()
@@ -157,6 +160,7 @@ def test_a_start_again_reattaches_to_this_tries_pod_and_a_retry_to_a_running_one
         r.on_kill()
 
 
+@pytest.mark.service
 def test_a_finished_pod_is_not_reattached(cluster):
     store = Store()
     name = deferred(runner("pass").start, context(store=store)).trigger.pod_name
@@ -168,6 +172,7 @@ def test_a_finished_pod_is_not_reattached(cluster):
     assert again != name and [p["metadata"]["name"] for p in cluster.pods(NS)] == [again]
 
 
+@pytest.mark.service
 def test_an_error_event_on_a_running_pod_defers_again_then_waits_for_it(cluster):
     code = f"import json, time; time.sleep(2); print(json.dumps({OUTCOME!r}))"
     name = deferred(runner(code).start, context()).trigger.pod_name

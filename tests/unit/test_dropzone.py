@@ -125,6 +125,7 @@ def test_batch_conf_derives_places_and_keeps_the_deployments_params():
     }
 
 
+@pytest.mark.e2e
 def test_the_dag_waits_claims_starts_batch_inference_and_records():
     import importlib.util
     import os

@@ -6,6 +6,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from aibrix_operators.batch.error_codes import ALL_CODES, RequestError, ValidationCode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +31,7 @@ ELSEWHERE = {
 }
 
 
+@pytest.mark.service
 def test_codes_are_spelled_only_in_error_codes() -> None:
     package = REPO / "plugins" / "aibrix_operators"
     found = []

@@ -44,6 +44,7 @@ def vllm_pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("policy", GPU_POLICIES)
+@pytest.mark.service
 def test_each_policy_renders_valid_manifests_with_its_placement(tmp_path: Path, overlay: str,
                                                                 policy: str) -> None:
     docs = render_with(tmp_path, overlay, policy)

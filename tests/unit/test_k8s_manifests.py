@@ -22,6 +22,8 @@ import yaml
 from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as SCHEDULING_POLICY_MIDDLEWARE
 from kvcache.config import KVCacheSettings
 
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRDS = REPO.parent / "shared" / "crds" / "aibrix-v0.5.0"

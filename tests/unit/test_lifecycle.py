@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.records import BatchObject
 from aibrix_operators.batch_api.schemas import Batch
@@ -21,6 +23,7 @@ ONLY_STATUSES = {BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FI
 API_EXTRAS = {"monitor_url"}
 
 
+@pytest.mark.service
 def test_one_batch_object_in_the_api_the_store_and_the_status_mapping() -> None:
     stored = BatchObject(id="batch_x", endpoint="/v1/chat/completions", input_file_id="f").as_dict()
     shown = batch_object(RunSnapshot("batch_x", {}, "running"))

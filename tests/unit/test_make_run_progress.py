@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("run_example", REPO / "scripts" / "run_example.py")
 assert _spec is not None and _spec.loader is not None
@@ -17,6 +19,7 @@ run_example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_example)
 
 
+@pytest.mark.service
 def test_a_line_every_interval_while_the_dag_runs(capsys) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.2)"])
     rc = run_example.wait_with_progress(proc, lambda: "vLLM is still starting", 0.25, time.monotonic())

@@ -19,6 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.service  # each test measures a child process's memory
+
 LINES = 1_000_000
 GROUP_SIZE = 10
 

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.service
+
 REPO = Path(__file__).resolve().parents[2]
 SERVE = ".venv/bin/python scripts/serve_batch_api.py"
 

@@ -11,6 +11,8 @@ import pytest
 
 from aibrix_operators.serving.process import ServerProcess, stop_process_group
 
+pytestmark = pytest.mark.service
+
 
 def _alive(pid: int) -> bool:
     try:

@@ -16,7 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.unit.conftest import request_line
+
+pytestmark = pytest.mark.service  # each test measures a child process's memory
 
 MB = 1_000_000
 MiB = 1024 * 1024
