@@ -9,8 +9,8 @@
 The check: a unit test that starts a process fails, naming the process and the marker to add. It
 is a CPython audit hook (``sys.addaudithook``) on the events every way of starting a process
 raises (``subprocess.Popen``, ``os.posix_spawn``, ``os.fork``, ``os.exec``, ``os.system``), armed
-while a unit test's fixtures are set up and its body runs (not while a module is imported: some
-libraries run a platform probe then). The hook raises at the start (so the
+while a unit test's fixtures are set up and its body runs (the standard library's platform probes,
+which libraries run at import or first use, are let through). The hook raises at the start (so the
 process never runs), and the test also fails at teardown in case the code under test swallowed
 that error.
 docs/testing.md has the tiers and how to run each.
@@ -18,7 +18,10 @@ docs/testing.md has the tiers and how to run each.
 
 from __future__ import annotations
 
+import ctypes.util
+import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +47,7 @@ class _Guard:
         self.started: list[str] = []
 
     def audit(self, event: str, args: tuple[Any, ...]) -> None:
-        if self.test is None or event not in PROCESS_EVENTS or _importing():
+        if self.test is None or event not in PROCESS_EVENTS or _platform_probe():
             return
         what = f"{event} {_describe(args)}"
         self.started.append(what)
@@ -55,13 +58,18 @@ class _Guard:
             "pytest.mark.service` to its module (tests/tiers.py, docs/testing.md)")
 
 
-def _importing() -> bool:
-    """Whether a module is being imported: libraries probe the platform at import (croniter runs
-    ``file -b`` through ``platform.architecture()``, trio ``ldconfig -p`` through
-    ``ctypes.util.find_library``); those programs are the library's, not a process the test starts."""
+# The standard library's platform probes: ``platform`` runs ``uname -p`` and ``file -b``
+# (``platform.processor()``, ``platform.architecture()``), ``ctypes.util.find_library`` runs
+# ``ldconfig -p`` (then gcc, ld). Libraries call them at import (croniter, trio) or on first use
+# (the openai SDK's platform headers, once per process, so whichever unit test sends the first
+# request would be flagged): the library's probes, not processes a test starts.
+_PROBES = (str(Path(platform.__file__)), str(Path(ctypes.util.__file__)))
+
+
+def _platform_probe() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == "_find_and_load" and "importlib._bootstrap" in frame.f_code.co_filename:
+        if frame.f_code.co_filename in _PROBES:
             return True
         frame = frame.f_back
     return False

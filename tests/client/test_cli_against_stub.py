@@ -238,6 +238,18 @@ def test_cancelled_batch_counts_are_not_a_mass_failure(stub, tmp_path, capsys):
     assert " 64/200 " in out.splitlines()[1]
 
 
+def test_a_finalized_cut_short_batch_shows_unanswered_apart_from_failed(stub, tmp_path, capsys):
+    """The server's count of requests the cancel left unanswered (aibrix_unanswered) splits them
+    from the ones that failed on their own."""
+    stub.extra = {**CANCELLED, "aibrix_unanswered": 134}
+    stub.status = "cancelled"
+    code, out, err = cli(capsys, url(stub), tmp_path, "status", BATCH_ID)
+    assert code == 1, err
+    assert "200 total, 64 completed, 134 not answered (cancelled), 2 failed" in out, out
+    code, out, err = cli(capsys, url(stub), tmp_path, "status", BATCH_ID, "--watch")
+    assert "64/200 completed  32%, 134 not answered (cancelled), 2 failed" in err.splitlines()[0]
+
+
 def test_tally_rules():
     from openai.types import Batch
 

@@ -304,6 +304,8 @@ async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fau
     counts = obj.request_counts
     assert counts["total"] == 400 and counts["completed"] + counts["failed"] == 400
     assert summary.error_codes == {"batch_cancelled": counts["failed"]}
+    assert obj.aibrix_unanswered == counts["failed"]  # what the API shows apart from failures
+    assert json.loads((tmp_path / "out" / "batch.json").read_text())["aibrix_unanswered"] == counts["failed"]
     assert counts["completed"] == len(fault_server.counts())  # every request sent was answered
 
 

@@ -100,9 +100,11 @@ def test_status_mapping():
     assert batch_status(cancelling) == "cancelling"
     done = _snap("success")
     done.batch_json = {"status": "cancelled", "cancelled_at": 9, "output_file_id": "/o",
-                       "error_file_id": "/e", "request_counts": {"total": 3, "completed": 1, "failed": 2}}
+                       "error_file_id": "/e", "request_counts": {"total": 3, "completed": 1, "failed": 2},
+                       "aibrix_unanswered": 2}
     obj = batch_object(done)
     assert obj["status"] == "cancelled" and obj["cancelled_at"] == 9
+    assert obj["aibrix_unanswered"] == 2  # of failed, left unanswered by the cancel
     assert obj["output_file_id"].endswith("-output") and obj["error_file_id"].endswith("-errors")
     assert obj["expires_at"] == 100 + 3600 and obj["input_file_id"] == "file-x"
     # Issue 19, finding 15: cancelled or expired with nothing completed: no output file id.

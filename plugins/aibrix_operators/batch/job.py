@@ -302,6 +302,9 @@ def finalize_batch(
         expired_at=ended if expired else None, cancelled_at=ended if cancelled else None,
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
+        aibrix_unanswered=(summary.error_codes.get(RequestError.BATCH_CANCELLED, 0)
+                           + summary.error_codes.get(RequestError.BATCH_EXPIRED, 0))
+        if cancelled or expired else None,
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj

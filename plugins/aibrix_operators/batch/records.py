@@ -198,6 +198,10 @@ class BatchObject:
     )
     usage: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+    # Extension, only on a batch a cancel or its window's end cut short (OpenAI's fields otherwise):
+    # of request_counts.failed, the requests left unanswered (error code batch_cancelled /
+    # batch_expired), so such a batch does not read as a mass failure.
+    aibrix_unanswered: int | None = None
 
     def __post_init__(self) -> None:
         # A plain str: the object goes to XCom and JSON, which need not know the enum.
@@ -205,7 +209,8 @@ class BatchObject:
 
     def as_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "object": "batch"}
-        out.update({k: v for k, v in self.__dict__.items() if k != "id"})
+        out.update({k: v for k, v in self.__dict__.items()
+                    if k != "id" and not (k == "aibrix_unanswered" and v is None)})
         return out
 
 

@@ -96,6 +96,8 @@ class Batch(BaseModel):
     # Not OpenAI's: while in progress, whether the batch will finish in its window at the rate
     # measured so far ("on track: ..." / "at risk: ..."); null otherwise. Never in metadata.
     aibrix_status: str | None = None
+    # Of request_counts.failed, the requests the cancel or the window's end left unanswered.
+    aibrix_unanswered: int | None = None
 
 
 class BatchList(BaseModel):

@@ -29,6 +29,8 @@ __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status
 # status line. Not in ``metadata``: that stays exactly what the client sent (OpenAI allows 16
 # pairs, and a batch created with 16 must not come back with 17).
 STATUS_LINE_KEY = "aibrix_status"
+# batch.json's count of requests a cancel or the window left unanswered (BatchObject's field).
+UNANSWERED_KEY = "aibrix_unanswered"
 
 
 def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
@@ -102,7 +104,13 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "metadata": dict(snap.conf.get("metadata") or {}) or None,
         "usage": published.get("usage") if status in TERMINAL else None,
         STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, created_at, window_s, now),
+        UNANSWERED_KEY: _unanswered(published) if status in TERMINAL else None,
     }
+
+
+def _unanswered(published: dict[str, Any]) -> int | None:
+    value = published.get(UNANSWERED_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _window_s(window: object) -> int | None:

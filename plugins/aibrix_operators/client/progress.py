@@ -82,22 +82,31 @@ class RequestTally:
 
     For a batch a cancel or its window's end cut short, the API's ``failed`` holds, besides the
     requests that failed, every request left unanswered (never sent, or sent and cut off: its
-    error line has code ``batch_cancelled`` / ``batch_expired``); the Batch object does not
-    tell the two apart. Then ``cut_off_by`` names the cause and the batch counts as
-    ``completed`` of ``total`` done, the rest as "cancelled or failed", never as a mass failure
-    and never as 100% done."""
+    error line has code ``batch_cancelled`` / ``batch_expired``). Then ``cut_off_by`` names the
+    cause and the batch counts as ``completed`` of ``total`` done, never as a mass failure and
+    never as 100% done. Once the batch is finalized the server says how many were left
+    unanswered (the extension field ``aibrix_unanswered``), and the two are shown apart
+    ("134 not answered (cancelled), 2 failed"); before that, while cancelling, as "cancelled or failed"."""
 
     total: int
     completed: int
     failed: int
-    cut_off_by: str | None = None  # "cancelled" / "expired": failed mixes unanswered and failed
+    cut_off_by: str | None = None  # "cancelled" / "expired"
+    unanswered: int | None = None  # of failed, left unanswered by the cut-off; None: not known yet
 
     @property
     def done(self) -> int:
         return self.completed if self.cut_off_by else self.completed + self.failed
 
     def failed_words(self) -> str:
-        return f"{self.failed} {self.cut_off_by} or failed" if self.cut_off_by else f"{self.failed} failed"
+        if not self.cut_off_by:
+            return f"{self.failed} failed"
+        if self.unanswered is None:
+            return f"{self.failed} {self.cut_off_by} or failed"
+        words = [f"{self.unanswered} not answered ({self.cut_off_by})"] if self.unanswered else []
+        if self.failed - self.unanswered:
+            words.append(f"{self.failed - self.unanswered} failed")
+        return ", ".join(words)
 
 
 def request_tally(batch: Any, now: float | None = None) -> RequestTally:
@@ -113,7 +122,10 @@ def request_tally(batch: Any, now: float | None = None) -> RequestTally:
         # Past its window the run writes batch_expired lines before the status says expired.
         if (time.time() if now is None else now) >= batch.expires_at:
             cut_off_by = "expired"
-    return RequestTally(total, completed, failed, cut_off_by)
+    unanswered = (getattr(batch, "model_extra", None) or {}).get("aibrix_unanswered")
+    if not (isinstance(unanswered, int) and 0 <= unanswered <= failed) or not cut_off_by:
+        unanswered = None
+    return RequestTally(total, completed, failed, cut_off_by, unanswered)
 
 
 def batch_progress(batch: Any, meter: RateMeter | None = None, now: float | None = None) -> str:
