@@ -100,6 +100,8 @@ def test_cli_cancel_a_second_batch(api, tmp_path):
     final = json.loads(cli(api, "status", batch_id, "--json").stdout)
     counts = final["request_counts"]
     assert counts["total"] == 600 and counts["completed"] + counts["failed"] == 600
+    # Of failed, those the cancel left unanswered: the API's extension field, from batch.json.
+    assert isinstance(final["aibrix_unanswered"], int) and 0 < final["aibrix_unanswered"] <= counts["failed"]
     again = cli(api, "cancel", batch_id)
     assert again.returncode == 0 and "already cancelled" in again.stdout
 
