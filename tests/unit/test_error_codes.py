@@ -22,6 +22,7 @@ ELSEWHERE = {
     ("batch_api/upload.py", ValidationCode.MISSING_REQUIRED_PARAMETER),
     ("batch_api/upload.py", ValidationCode.EMPTY_FILE),
     ("batch_api/app.py", ValidationCode.FILE_TOO_LARGE),
+    ("batch_api/app.py", ValidationCode.MISSING_REQUIRED_PARAMETER),
     ("batch_api/batches.py", ValidationCode.INVALID_COMPLETION_WINDOW),
     ("batch_api/batches.py", ValidationCode.INVALID_ENDPOINT),
     # "timeout" is also a trigger event's status and a router metrics label.

@@ -39,6 +39,7 @@ from aibrix_operators.batch.prefixes import (
     write_order,
 )
 from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helpers, re-exported
+    DEFAULT_MIN_COMPLETION_WINDOW,
     LONGEST_WORK_KEY_SUFFIX,
     S3_MAX_KEY_BYTES,
     BatchObject,
@@ -46,6 +47,7 @@ from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helper
     longest_key_bytes,
     new_batch_id,
     output_key_problem,
+    parse_completion_window,
     work_prefix,
 )
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
@@ -54,7 +56,6 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import ShardOutcome, run_shard
 from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
-from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 
@@ -144,9 +145,10 @@ def validate_batch(
     of the batch's base model; a batch that does is always sent grouped by adapter (prefix
     grouping decides the order inside each adapter's requests), which needs ``prefix_order_uri``.
 
-    ``min_window_s``: the shortest window accepted; None reads the deployment's
-    ``[aibrix_batch] min_completion_window`` (default 1h; ``settings/completion_window.py``). A
-    shorter window fails the batch with ``invalid_completion_window``, saying the minimum.
+    ``min_window_s``: the shortest window accepted (the operator passes the deployment's
+    ``[aibrix_batch] min_completion_window``, ``settings/completion_window.py``; None: the default
+    1h). A shorter window fails the batch with ``invalid_completion_window``, saying the minimum.
+    This module imports no Airflow (the driver image and the router use it), so it reads no config.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -161,7 +163,7 @@ def validate_batch(
     window_s: int | None = None
     try:
         if min_window_s is None:
-            min_window_s = load_min_completion_window_s()
+            min_window_s = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
         window_s = check_min_window(completion_window, min_window_s, MIN_WINDOW_SETTING)
     except ValueError as exc:
         report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")

@@ -21,6 +21,7 @@ from typing import IO, Any
 import openai
 from openai.types import Batch, FileObject
 
+from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file
 from aibrix_operators.client.errors import BatchNotDone, InputFileError, PoolConfigError
 from aibrix_operators.client.profile import normalize_base_url
@@ -256,16 +257,17 @@ def first_line_endpoint(path: Path) -> str:
 
 # Rules the deployment sets (its size limits, its LoRA adapters, which let lines name another
 # model): the local check cannot know them, so it leaves them to the server's validation.
-DEPLOYMENT_RULES = frozenset({"file_too_large", "line_too_large", "too_many_requests", "mismatched_model",
-                              "unknown_model"})
+DEPLOYMENT_RULES = frozenset({ValidationCode.FILE_TOO_LARGE, ValidationCode.LINE_TOO_LARGE,
+                              ValidationCode.TOO_MANY_REQUESTS, ValidationCode.MISMATCHED_MODEL,
+                              ValidationCode.UNKNOWN_MODEL})
 # How to fix what the validator's message does not already say how to fix.
 FIXES = {
-    "missing_required_parameter": 'add it: each line is {"custom_id": "…", "method": "POST", '
-                                  '"url": "/v1/chat/completions", "body": {…}}',
-    "invalid_json_line": "make the line one JSON object (JSON Lines: one request per line, "
-                         "no line break inside a request)",
-    "duplicate_custom_id": "give each request its own custom_id",
-    "empty_file": "put one JSON request on each line",
+    ValidationCode.MISSING_REQUIRED_PARAMETER: 'add it: each line is {"custom_id": "…", "method": "POST", '
+                                               '"url": "/v1/chat/completions", "body": {…}}',
+    ValidationCode.INVALID_JSON_LINE: "make the line one JSON object (JSON Lines: one request per line, "
+                                      "no line break inside a request)",
+    ValidationCode.DUPLICATE_CUSTOM_ID: "give each request its own custom_id",
+    ValidationCode.EMPTY_FILE: "put one JSON request on each line",
 }
 SHOWN_ERRORS = 20  # listed in the error message; the rest are counted
 

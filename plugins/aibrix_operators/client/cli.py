@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.client.errors import ClientError, ExitCode, describe
 from aibrix_operators.client.profile import API_KEY_ENV, BASE_URL_ENV, CONFIG_ENV, PROFILE_ENV, resolve
@@ -46,8 +47,9 @@ exit codes:
   4  a bug in {PROG} (AIBRIX_BATCH_DEBUG=1 shows the traceback)
 
 counts: a cancelled or expired batch's "failed" (the API's) also holds the
-requests it left unanswered; shown as "N cancelled or failed" / "N expired or
-failed" beside "completed", not as failures of a 100% done batch.
+requests it left unanswered; shown apart once the batch is finalized ("N not
+answered (cancelled), M failed"), as "N cancelled or failed" before, beside
+"completed", never as failures of a 100% done batch.
 """
 
 
@@ -144,8 +146,9 @@ def describe_batch(batch: Any) -> str:
     if batch.request_counts is not None:
         tally = request_tally(batch)
         lines.append(f"  requests   {tally.total} total, {tally.completed} completed, {tally.failed_words()}")
-        if tally.cut_off_by and tally.failed:
-            code = "batch_cancelled" if tally.cut_off_by == "cancelled" else "batch_expired"
+        if tally.cut_off_by and tally.failed and tally.unanswered is None:
+            code = (RequestError.BATCH_CANCELLED if tally.cut_off_by == "cancelled"
+                    else RequestError.BATCH_EXPIRED)
             lines.append(f"             (the API counts the requests left unanswered as failed; their "
                          f"error lines have code {code})")
     lines.append(f"  endpoint   {batch.endpoint}  window {batch.completion_window}  "

@@ -43,6 +43,7 @@ from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
+from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.settings.trust import load_policy, resolve_inference
@@ -172,7 +173,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             expected_model=self.expected_model or None, output_storage=out_storage,
             prefix_grouping=str(self.prefix_grouping or "auto"),
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
-            adapters=adapters.bases(),
+            adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
