@@ -15,6 +15,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -228,22 +229,30 @@ def pool_request(pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | No
     return pool.as_params() or None
 
 
-def first_line_endpoint(path: Path) -> str:
-    """The ``url`` of the file's first request, checked locally before any byte is sent, so
-    a file that is no batch at all is refused at once (the server validates every line)."""
+@contextmanager
+def _open_batch_file(path: Path) -> Iterator[IO[bytes]]:
+    """The batch file opened for reading; what stops that is an InputFileError saying what to do."""
     try:
-        with open(path, "rb") as f:
-            first = b""
-            while not first.strip():
-                first = f.readline(FIRST_LINE_MAX)
-                if not first:
-                    raise InputFileError(f"{path} is empty; a batch file has one JSON request per line")
+        f = open(path, "rb")
     except IsADirectoryError:
         raise InputFileError(f"{path} is a directory; give a .jsonl batch file") from None
     except FileNotFoundError:
         raise InputFileError(f"{path} does not exist; give a .jsonl batch file") from None
     except PermissionError:
         raise InputFileError(f"cannot read {path}: permission denied") from None
+    with f:
+        yield f
+
+
+def first_line_endpoint(path: Path) -> str:
+    """The ``url`` of the file's first request, checked locally before any byte is sent, so
+    a file that is no batch at all is refused at once (the server validates every line)."""
+    with _open_batch_file(path) as f:
+        first = b""
+        while not first.strip():
+            first = f.readline(FIRST_LINE_MAX)
+            if not first:
+                raise InputFileError(f"{path} is empty; a batch file has one JSON request per line")
     hint = ('each line must be a request like {"custom_id": "1", "method": "POST", '
             '"url": "/v1/chat/completions", "body": {…}}')
     try:
@@ -289,15 +298,8 @@ def check_input_file(path: str | os.PathLike[str], endpoint: str | None = None) 
     # limit is skipped unread, so memory stays bounded, and left to the server.
     limits = ValidationLimits(max_requests=2**62, max_file_bytes=2**62, max_line_bytes=DEFAULT_MAX_LINE_BYTES,
                               max_reported_errors=1000)
-    try:
-        with open(path, "rb") as stream:
-            report = validate_stream(stream, endpoint, limits, reopen=lambda: open(path, "rb"))
-    except IsADirectoryError:
-        raise InputFileError(f"{path} is a directory; give a .jsonl batch file") from None
-    except FileNotFoundError:
-        raise InputFileError(f"{path} does not exist; give a .jsonl batch file") from None
-    except PermissionError:
-        raise InputFileError(f"cannot read {path}: permission denied") from None
+    with _open_batch_file(path) as stream:
+        report = validate_stream(stream, endpoint, limits, reopen=lambda: open(path, "rb"))
     found = [e for e in report.errors if e.code not in DEPLOYMENT_RULES]
     if not found:
         return report.total_requests
