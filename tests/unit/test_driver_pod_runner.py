@@ -185,11 +185,13 @@ def test_an_error_event_on_a_running_pod_defers_again_then_waits_for_it(cluster)
     assert verdict.outcome["completed"] == 2
 
 
+@pytest.mark.service  # the cluster's kubelet runs pods as processes
 def test_a_pod_gone_before_resume_is_lost(cluster):
     verdict = runner("").finish(context(), {"status": "success", "name": "aibrix-driver-x", "namespace": NS})
     assert verdict.failure.error_code == "driver_pod_lost" and verdict.failure.retryable
 
 
+@pytest.mark.service  # the cluster's kubelet runs pods as processes
 def test_api_faults_on_create_conflict_is_retried_forbidden_fails_at_once(cluster):
     conflict = cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 409)
     deferred(runner("pass").start, context())
@@ -201,6 +203,7 @@ def test_api_faults_on_create_conflict_is_retried_forbidden_fails_at_once(cluste
     assert "403" in str(info.value)
 
 
+@pytest.mark.service  # the cluster's kubelet runs pods as processes
 def test_an_unpullable_image_fails_at_once_naming_it(cluster):
     r = runner("pass")
     r.spec = dataclasses.replace(r.spec, image="registry.invalid/driver:nope")

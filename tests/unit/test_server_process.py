@@ -83,3 +83,23 @@ def test_server_process_keeps_no_log_descriptor_and_stops_its_group(tmp_path):
     with pytest.raises(RuntimeError, match="dying exited with code 7"):
         dying.wait_healthy("http://127.0.0.1:9/health", timeout_s=20)
     assert _open_fds_to(log) == 0
+
+
+def test_a_server_that_never_turns_healthy_is_stopped_saying_what_it_answered(tmp_path):
+    """A listening server that answers 503 to the health probe: the timeout names the answer (a
+    clean-clone run had a vLLM server fail this wait with only its log to go on)."""
+    from aibrix_operators.serving.local_vllm import free_port
+
+    port = free_port()
+    code = ("import http.server\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n        self.send_response(503); self.end_headers()\n"
+            f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    server = ServerProcess([sys.executable, "-c", code], dict(os.environ), tmp_path / "s.log",
+                           name="sick").start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    with pytest.raises(TimeoutError, match=rf"sick did not become healthy in 3s \(last probe of "
+                                           rf"http://127.0.0.1:{port}/health: HTTP 503\)"):
+        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=3)
+    assert not _alive(pid)

@@ -102,12 +102,16 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"{self.name} exited with code {code} during startup; see "
                                    f"{self.log_path}:\n{tail(self.log_path)}")
-            if healthy(url):
+            last = probe(url)
+            if last is None:
                 return
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"{self.name} did not become healthy in {timeout_s:.0f}s; see {self.log_path}:\n"
-                           f"{tail(self.log_path)}")
+        # The last answer says which way it failed (refused, a hang, a status), which the server's
+        # log cannot: a clean-clone run (2026-12-05) had an embeddings server log "startup
+        # complete" and then fail this wait for 9 minutes, with nothing else to go on.
+        raise TimeoutError(f"{self.name} did not become healthy in {timeout_s:.0f}s (last probe of {url}: "
+                           f"{last}); see {self.log_path}:\n{tail(self.log_path)}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is not None:
@@ -120,9 +124,20 @@ class ServerProcess:
         self.stop()
 
 
-def healthy(url: str, timeout_s: float = 2.0) -> bool:
+# Health probes go to the server directly, never through a proxy an environment names.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def probe(url: str, timeout_s: float = 2.0) -> str | None:
+    """None when ``url`` answers 200; else what it did instead (a status, or the error)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+        with _DIRECT.open(url, timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    return probe(url, timeout_s) is None
