@@ -55,7 +55,6 @@ from aibrix_operators.batch.validation import ValidationLimits, ValidationReport
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import ShardOutcome, run_shard
-from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 
@@ -164,7 +163,7 @@ def validate_batch(
     try:
         if min_window_s is None:
             min_window_s = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
-        window_s = check_min_window(completion_window, min_window_s, MIN_WINDOW_SETTING)
+        window_s = check_min_window(completion_window, min_window_s)
     except ValueError as exc:
         report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")
     # The run's work prefix is the parent of its prefix-order file (the operator names it): keys

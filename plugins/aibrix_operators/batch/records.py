@@ -222,6 +222,8 @@ _WINDOW_UNITS = {"h": 3600, "m": 60, "s": 1}
 # ([aibrix_batch] min_completion_window): batches are ordered by deadline, so without a floor a
 # tiny window would put its batch first every time.
 DEFAULT_MIN_COMPLETION_WINDOW = "1h"
+# Where the deployment sets it (settings/completion_window.py reads it); messages name it.
+MIN_WINDOW_SETTING = "[aibrix_batch] min_completion_window"
 
 
 class WindowTooShort(ValueError):
@@ -249,14 +251,14 @@ def format_window(seconds: int) -> str:
     raise AssertionError("unreachable: every whole number of seconds has a form in s")
 
 
-def check_min_window(window: str, minimum_s: int, setting: str) -> int:
-    """``window`` in seconds; WindowTooShort when it is under ``minimum_s`` (``setting`` names
-    where the minimum comes from, e.g. ``[aibrix_batch] min_completion_window``)."""
+def check_min_window(window: str, minimum_s: int) -> int:
+    """``window`` in seconds; WindowTooShort when it is under ``minimum_s`` (the deployment's
+    ``MIN_WINDOW_SETTING``)."""
     seconds = parse_completion_window(window)
     if seconds < minimum_s:
         least = format_window(minimum_s)
         raise WindowTooShort(
             f"completion_window {window!r} is shorter than this deployment's minimum of {least} "
-            f"({setting}); ask for a completion_window of at least {least}, e.g. '{least}'"
+            f"({MIN_WINDOW_SETTING}); ask for a completion_window of at least {least}, e.g. '{least}'"
         )
     return seconds

@@ -25,7 +25,6 @@ from aibrix_operators.batch_api.errors import bad_request
 from aibrix_operators.batch_api.files import batch_output_uri
 from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY
-from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
 from aibrix_operators.storage import Storage
 
 MAX_METADATA_PAIRS = 16
@@ -92,7 +91,7 @@ def check_window(window: str, min_window_s: int = DEFAULT_MIN_WINDOW_S) -> int:
     """``24h`` and other whole durations (``90m``, ``3600s``) from the deployment's minimum
     (``[aibrix_batch] min_completion_window``, 1h by default) up to a week; else 400."""
     try:
-        seconds = check_min_window(window, min_window_s, MIN_WINDOW_SETTING)
+        seconds = check_min_window(window, min_window_s)
     except ValueError as exc:
         raise bad_request(str(exc), "completion_window", "invalid_completion_window") from None
     if seconds > MAX_WINDOW_S:

@@ -15,12 +15,16 @@ import os
 from collections.abc import Callable
 
 from aibrix_operators import config_sections
-from aibrix_operators.batch.records import DEFAULT_MIN_COMPLETION_WINDOW, parse_completion_window
+from aibrix_operators.batch.records import (
+    DEFAULT_MIN_COMPLETION_WINDOW,
+    MIN_WINDOW_SETTING,
+    parse_completion_window,
+)
 
 SECTION = config_sections.BATCH
 KEY = "min_completion_window"
-# Where messages say the minimum comes from.
-SETTING = f"[{SECTION}] {KEY}"
+# Where messages say the minimum comes from: the core's name for it (batch/records.py).
+SETTING = MIN_WINDOW_SETTING
 
 
 class MinWindowSettingError(ValueError):

@@ -27,7 +27,6 @@ from aibrix_operators.batch.records import (
     parse_completion_window,
 )
 from aibrix_operators.dropzone.core import DERIVED_PARAMS, DropZone, DropZoneConfigError
-from aibrix_operators.settings.completion_window import SETTING as MIN_WINDOW_SETTING
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 
 SECTION = config_sections.DROPZONE
@@ -67,7 +66,7 @@ def parse_settings(get: Callable[[str], str | None],
     window = dag_conf.get("completion_window")
     if window is not None:
         try:
-            check_min_window(str(window), min_window_s, MIN_WINDOW_SETTING)
+            check_min_window(str(window), min_window_s)
         except ValueError as exc:
             raise DropZoneConfigError(f"[{SECTION}] dag_conf: {exc}; every file dropped would fail "
                                       "validation with it") from None
