@@ -111,6 +111,7 @@ images: system-packages
 test:
 	$(MAKE) -j2 setup eval-model images
 	$(VENV)/bin/python -m tests.starts reset
+	$(VENV)/bin/python -m tests.durations reset
 	$(MAKE) lint test-orchestrator test-inference
 	@$(VENV)/bin/python -m tests.starts
 

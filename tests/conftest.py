@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import starts, tiers
+from tests import durations, starts, tiers
 from tests.tiers import pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401 - hooks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,12 +55,15 @@ LONGEST_FIRST = (
 # kvcache connector still copies inline: host_copy.host_threads), the kernel spreads them over the
 # cores. Set in the environment the servers inherit; a value set by whoever runs the suite wins,
 # and benches pin explicitly (LocalServer's threads_bind).
+RECORDER = durations.Recorder()
+
 UNPINNED_VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     tiers.configure(config)
     starts.install()
+    config.pluginmanager.register(RECORDER, "aibrix-durations")
     for name, value in UNPINNED_VLLM_ENV.items():
         os.environ.setdefault(name, value)
 
@@ -87,4 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Each xdist worker writes its own counts; the controller's are its workers' starts.
-    starts.COUNTER.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    starts.COUNTER.write(worker)
+    if worker == "main":
+        RECORDER.write(worker)  # the xdist controller sees every worker's reports: it writes them all

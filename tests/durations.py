@@ -1,0 +1,104 @@
+"""Each test file's duration: recorded by every run, stored in the repository, used to balance.
+
+pytest-xdist's ``--dist loadfile`` hands whole files to whichever worker is free, in collection
+order. Longest first (a greedy longest-processing-time schedule) keeps one long file from running
+alone at the end while the other worker idles, so the collection is ordered by each file's stored
+duration (``tests/durations.json``), longest first. A file with no stored duration (a new one)
+goes first: it may be long, and a short file started early costs little.
+
+Every pytest run writes what its files took (setup, call and teardown of each test, so module
+fixtures count; the xdist controller, which sees every worker's reports) to
+``.work/test-durations/main-<pid>.json``; ``make durations`` folds the last
+``make test``'s records into ``tests/durations.json`` (``python -m tests.durations update``), which
+is committed. Only the order depends on it: a stale entry costs balance, never a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+STORED = TESTS / "durations.json"
+RECORDS = TESTS.parent / ".work" / "test-durations"
+
+
+def file_of(nodeid: str) -> str:
+    """``tests/x/test_y.py::test_z[a]`` or ``x/test_y.py::...`` -> ``x/test_y.py`` (relative to tests/)."""
+    path = nodeid.split("::", 1)[0]
+    return path.removeprefix("tests/")
+
+
+class Recorder:
+    """A pytest plugin: sums each file's test phases in this process and writes them at the end."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[file_of(report.nodeid)] += report.duration
+
+    def write(self, worker: str) -> None:
+        if not self.seconds:
+            return
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        out = RECORDS / f"{worker}-{os.getpid()}.json"
+        out.write_text(json.dumps({k: round(v, 1) for k, v in sorted(self.seconds.items())}, indent=1))
+
+
+def stored() -> dict[str, float]:
+    try:
+        return json.loads(STORED.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def order(items: list[pytest.Item], known: dict[str, float] | None = None) -> None:
+    """Sort ``items`` in place: files without a stored duration first, then longest first.
+
+    Stable, so the tests within a file keep pytest's order.
+    """
+    known = stored() if known is None else known
+
+    def key(item: pytest.Item) -> tuple[bool, float]:
+        seconds = known.get(file_of(item.nodeid))
+        return (seconds is not None, -(seconds or 0.0))
+
+    items.sort(key=key)
+
+
+def reset() -> None:
+    """Before a ``make test``: forget the records of an earlier run."""
+    for old in RECORDS.glob("*.json") if RECORDS.exists() else ():
+        old.unlink()
+
+
+def update() -> dict[str, float]:
+    """Fold the last run's records into ``tests/durations.json``; files that no longer exist drop out."""
+    merged = stored()
+    recorded: defaultdict[str, float] = defaultdict(float)
+    for path in sorted(RECORDS.glob("*.json")) if RECORDS.exists() else ():
+        for name, seconds in json.loads(path.read_text()).items():
+            recorded[name] += seconds  # a file in two passes (none today) counts both
+    if not recorded:
+        raise SystemExit(f"no durations recorded under {RECORDS}: run `make test` first")
+    merged.update(recorded)
+    merged = {name: round(s, 1) for name, s in merged.items() if (TESTS / name).exists()}
+    longest_first = dict(sorted(merged.items(), key=lambda kv: (-kv[1], kv[0])))
+    STORED.write_text(json.dumps(longest_first, indent=1) + "\n")
+    return merged
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["reset"]:
+        reset()
+    elif sys.argv[1:] == ["update"]:
+        done = update()
+        print(f"{STORED.relative_to(TESTS.parent)}: {len(done)} files, {sum(done.values()):.0f} s in all")
+    else:
+        raise SystemExit("usage: python -m tests.durations reset|update")
