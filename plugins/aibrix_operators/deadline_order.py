@@ -5,9 +5,9 @@ queues the task instances with the highest ``priority_weight`` first. This polic
 (``task_instance_mutation_hook``, registered through the package's ``airflow.policy`` entry
 point, so a deployment that installs the package gets it) gives every pipeline step of a batch
 run the same weight, larger for an earlier deadline: the batch whose window closes first has
-its validate, split, dispatch and merge queued before a later one's. The deadline is the run's
-``run_after`` plus its ``completion_window`` (the trigger's, or the pipeline's default), the
-same window the driver enforces, computed without a database query (the hook runs inside the
+its validate, split, dispatch and merge queued before a later one's. The deadline is the batch's
+own (``batch/deadline.py``: its run's ``run_after`` plus its ``completion_window``), the one the
+API shows and the driver enforces, computed without a database query (the hook runs inside the
 scheduler's transaction and must not open one).
 
 Weights: ``WEIGHT_ORIGIN - deadline in minutes since the epoch``, so any two runs compare by
@@ -18,33 +18,18 @@ on a worker pool the batches share with nothing else — give other DAGs their o
 
 from __future__ import annotations
 
-import time
-from datetime import datetime
 from typing import Any
 
 from airflow.policies import hookimpl
 
+from aibrix_operators.batch.deadline import run_deadline
 from aibrix_operators.batch.lifecycle import Step
-from aibrix_operators.batch.records import parse_completion_window
 
 WEIGHT_ORIGIN = 1_000_000_000
-DEFAULT_WINDOW = "24h"  # operators/pipeline.py's completion_window default
 _STEPS = frozenset(s.value for s in Step)
 
 
-def deadline_of(conf: Any, run_after: datetime | None) -> float | None:
-    """The run's deadline (Unix time); ``None`` when its window is not a valid duration (the
-    validate task reports that; the weight stays the task's own)."""
-    window = conf.get("completion_window") if isinstance(conf, dict) else None
-    try:
-        seconds = parse_completion_window(str(window or DEFAULT_WINDOW))
-    except ValueError:
-        return None
-    start = run_after.timestamp() if run_after is not None else time.time()
-    return start + seconds
-
-
-def deadline_weight(deadline: float) -> int:
+def deadline_weight(deadline: int) -> int:
     return WEIGHT_ORIGIN - int(deadline // 60)
 
 
@@ -70,6 +55,6 @@ _mark_hook_live()
 def task_instance_mutation_hook(task_instance: Any, dag_run: Any) -> None:
     if dag_run is None or str(task_instance.task_id).rsplit(".", 1)[-1] not in _STEPS:
         return
-    deadline = deadline_of(getattr(dag_run, "conf", None), getattr(dag_run, "run_after", None))
+    deadline = run_deadline(getattr(dag_run, "conf", None), getattr(dag_run, "run_after", None))
     if deadline is not None:
         task_instance.priority_weight = deadline_weight(deadline)

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import openai
@@ -255,8 +256,13 @@ def test_expiry_with_a_short_window(api):
     batch = client.batches.create(input_file_id=upload(client, requests),
                                   endpoint="/v1/chat/completions", completion_window="12s")
     assert batch.expires_at == batch.created_at + 12
+    # One deadline (batch/deadline.py): the run's run_after is the batch's created_at, so the
+    # deadline weights and the driver count from the second the API shows.
+    run = api.airflow.api("GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id_for('alpha', batch.id)}")
+    assert datetime.fromisoformat(run["run_after"]).timestamp() == batch.created_at, run
     done = wait_for(client, batch.id, timeout_s=180)
     assert done.status == "expired" and done.expired_at
+    assert done.expires_at == batch.expires_at and done.expired_at >= batch.expires_at
     counts = done.request_counts
     assert counts.total == 3000 and counts.completed + counts.failed == 3000 and counts.failed > 0
     errors = content(client, done.error_file_id)

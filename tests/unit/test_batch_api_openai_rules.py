@@ -36,7 +36,7 @@ class FakeRuns:
 
     runs: dict[str, RunRow] = field(default_factory=dict)
 
-    def trigger(self, run_id: str, conf: dict[str, Any]) -> tuple[RunRow, bool]:
+    def trigger(self, run_id: str, conf: dict[str, Any], created_at: int) -> tuple[RunRow, bool]:
         if run_id in self.runs:
             return self.runs[run_id], False
         # Airflow stores the conf as JSON: what comes back is what survives a round trip.

@@ -17,7 +17,7 @@ from typing import Any
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE
-from aibrix_operators.batch.records import BatchObject
+from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW, BatchObject
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 # S3 error codes that mean "these credentials may not do this".
@@ -91,7 +91,7 @@ def failed_batch(
     input_uri: str,
     errors: dict[str, Any],
     endpoint: str = "",
-    completion_window: str = "24h",
+    completion_window: str = DEFAULT_COMPLETION_WINDOW,
     created_at: int | None = None,
     expires_at: int | None = None,
     total_requests: int = 0,

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import BatchFailure, RequestError, ValidationCode
 from aibrix_operators.batch.failures import (
     FailureRecord,
@@ -39,6 +40,7 @@ from aibrix_operators.batch.prefixes import (
     write_order,
 )
 from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helpers, re-exported
+    DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MIN_COMPLETION_WINDOW,
     LONGEST_WORK_KEY_SUFFIX,
     S3_MAX_KEY_BYTES,
@@ -117,7 +119,7 @@ def validate_batch(
     output_uri: str,
     endpoint: str | None = None,
     limits: ValidationLimits | None = None,
-    completion_window: str = "24h",
+    completion_window: str = DEFAULT_COMPLETION_WINDOW,
     metadata: dict[str, str] | None = None,
     batch_id: str | None = None,
     expected_model: str | None = None,
@@ -126,6 +128,7 @@ def validate_batch(
     prefix_order_uri: str | None = None,
     adapters: dict[str, str] | None = None,
     min_window_s: int | None = None,
+    submitted_at: int | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -148,6 +151,10 @@ def validate_batch(
     ``[aibrix_batch] min_completion_window``, ``settings/completion_window.py``; None: the default
     1h). A shorter window fails the batch with ``invalid_completion_window``, saying the minimum.
     This module imports no Airflow (the driver image and the router use it), so it reads no config.
+
+    ``submitted_at``: when the batch was submitted (``batch/deadline.py``: its run's ``run_after``),
+    the ``created_at`` its window runs from: ``expires_at`` is the deadline the API shows and the
+    drivers enforce, however long the batch waited for this step. None: now.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -156,7 +163,7 @@ def validate_batch(
                   else None)
     model_ids = array("H") if by_model else None
     limits = limits or ValidationLimits()
-    created_at = int(time.time())
+    created_at = int(time.time()) if submitted_at is None else submitted_at
     batch_id = batch_id or new_batch_id()
     report = ValidationReport(endpoint=endpoint)
     window_s: int | None = None
@@ -195,7 +202,7 @@ def validate_batch(
         batch = failed_batch(
             batch_id=batch_id, input_uri=input_uri, errors=report.as_openai_errors(),
             endpoint=report.endpoint or endpoint or "", completion_window=completion_window,
-            created_at=created_at, expires_at=created_at + window_s if window_s else None,
+            created_at=created_at, expires_at=deadline(created_at, completion_window) if window_s else None,
             total_requests=report.total_requests, metadata=metadata,
         )
         report.record = publish_failure(output_storage or storage, output_uri, batch)
@@ -218,7 +225,8 @@ def validate_batch(
     return report, ValidatedBatch(
         batch_id=batch_id, input_uri=input_uri, output_uri=output_uri, endpoint=report.endpoint,
         model=report.model, total_requests=report.total_requests, total_bytes=report.total_bytes,
-        created_at=created_at, expires_at=created_at + window_s, completion_window=completion_window,
+        created_at=created_at, expires_at=deadline(created_at, completion_window),
+        completion_window=completion_window,
         metadata=metadata or {}, max_line_bytes=limits.max_line_bytes,
         last_request_line=report.last_request_line,
         prefix_order_uri=order_uri, prefix_groups=groups, prefix_shared_requests=shared,

@@ -171,6 +171,11 @@ def _token_count(value: Any) -> int:
     return int(value)
 
 
+# The window of a batch that names none: OpenAI's only window, the pipeline's Param default. Its
+# grammar is parse_completion_window's (below); a batch's deadline is batch/deadline.py's.
+DEFAULT_COMPLETION_WINDOW = "24h"
+
+
 @dataclass
 class BatchObject:
     """OpenAI's Batch object, as written to ``batch.json``."""
@@ -178,7 +183,7 @@ class BatchObject:
     id: str
     endpoint: str
     input_file_id: str
-    completion_window: str = "24h"
+    completion_window: str = DEFAULT_COMPLETION_WINDOW
     status: str = BatchStatus.VALIDATING
     model: str | None = None  # the lines' body.model (one per batch; validation checks it)
     output_file_id: str | None = None

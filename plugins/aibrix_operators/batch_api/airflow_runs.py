@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
@@ -81,14 +81,18 @@ class BatchRuns:
         self.root = root
 
     # ------------------------------------------------------------------ write
-    def trigger(self, run_id: str, conf: dict[str, Any]) -> tuple[RunRow, bool]:
-        """Start the run; if a run with this id exists (an idempotent retry), return it instead."""
+    def trigger(self, run_id: str, conf: dict[str, Any], created_at: int) -> tuple[RunRow, bool]:
+        """Start the run; if a run with this id exists (an idempotent retry), return it instead.
+
+        The run's ``run_after`` is the batch's ``created_at``: the instant its window starts from
+        for the deadline weights and the drivers (batch/deadline.py) is the one the API shows."""
         from airflow.api.common.trigger_dag import trigger_dag
         from airflow.exceptions import DagRunAlreadyExists
         from airflow.utils.types import DagRunTriggeredByType
 
         try:
             dag_run = trigger_dag(self.dag_id, run_id=run_id, conf=conf,
+                                  run_after=datetime.fromtimestamp(created_at, UTC),
                                   triggered_by=DagRunTriggeredByType.REST_API,
                                   triggering_user_name="openai-batch-api")
         except DagRunAlreadyExists:

@@ -233,10 +233,11 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         digest = request_digest(body.model_dump())
         batch_id = new_batch_id(tenant, idempotency_key)
         run_id = run_id_for(tenant, batch_id)
+        created_at = int(time.time())
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
-                        body.completion_window, metadata, model, route, int(time.time()), digest,
+                        body.completion_window, metadata, model, route, created_at, digest,
                         ctx.cache_salt_claim(run_id, tenant), pool_params)
-        row, created = ctx.runs.trigger(run_id, conf)
+        row, created = ctx.runs.trigger(run_id, conf, created_at)
         if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",
                            "idempotency_conflict", "Idempotency-Key")

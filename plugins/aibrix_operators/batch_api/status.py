@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from aibrix_operators.batch.deadline import DEFAULT_COMPLETION_WINDOW, deadline
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.lifecycle import (
     ENDED_WITH_OUTPUT,
@@ -18,7 +19,6 @@ from aibrix_operators.batch.lifecycle import (
     TaskState,
     batch_status,
 )
-from aibrix_operators.batch.records import parse_completion_window
 from aibrix_operators.batch.window_outlook import window_outlook
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
@@ -44,8 +44,8 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
     published = snap.batch_json or {}
     status = batch_status(snap)
     created_at = int(api.get("created_at") or 0)
-    window = snap.conf.get("completion_window", "24h")
-    window_s = _window_s(window)
+    window = snap.conf.get("completion_window", DEFAULT_COMPLETION_WINDOW)
+    expires_at = _expires_at(created_at, window)
     validate, merge = snap.step(Step.VALIDATE), snap.step(Step.MERGE)
     # The moment the status became in_progress (validation done), live and after the end alike:
     # a value a client has read never changes. batch.json's own (the first request sent) only
@@ -91,7 +91,7 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "error_file_id": error_id,
         "created_at": created_at,
         "in_progress_at": in_progress_at,
-        "expires_at": created_at + window_s if created_at and window_s else None,
+        "expires_at": expires_at,
         "finalizing_at": published.get("finalizing_at") or (
             _finalizing_since(merge, snap.step(Step.DISPATCH)) if status == BatchStatus.FINALIZING else None),
         "completed_at": published.get("completed_at") if status == BatchStatus.COMPLETED else None,
@@ -103,7 +103,7 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "request_counts": {k: int(counts.get(k, 0)) for k in ("total", "completed", "failed")},
         "metadata": dict(snap.conf.get("metadata") or {}) or None,
         "usage": published.get("usage") if status in TERMINAL else None,
-        STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, created_at, window_s, now),
+        STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, expires_at, now),
         UNANSWERED_KEY: _unanswered(published) if status in TERMINAL else None,
     }
 
@@ -113,23 +113,26 @@ def _unanswered(published: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _window_s(window: object) -> int | None:
-    """The run's window in seconds; None for one no parser reads (a run triggered another way
-    than through the API, or before a rule tightened): the object is still shown."""
+def _expires_at(created_at: int, window: object) -> int | None:
+    """The batch's deadline (batch/deadline.py: the run was triggered with ``run_after`` at this
+    ``created_at``, so the weights and the drivers count from the same second); None for a window
+    no parser reads (a run triggered another way than through the API, or before a rule
+    tightened): the object is still shown."""
+    if not created_at:
+        return None
     try:
-        return parse_completion_window(str(window))
+        return deadline(created_at, str(window))
     except ValueError:
         return None
 
 
 def _status_line(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int], in_progress_at: int | None,
-                 created_at: int, window_s: int | None, now: float | None) -> str | None:
-    if (status == BatchStatus.IN_PROGRESS and in_progress_at and created_at and window_s
-            and snap.live_counts is not None):
+                 expires_at: int | None, now: float | None) -> str | None:
+    if status == BatchStatus.IN_PROGRESS and in_progress_at and expires_at and snap.live_counts is not None:
         now = time.time() if now is None else now
         answered = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
         outlook = window_outlook(int(counts.get("total", 0)) - answered, answered, now - in_progress_at,
-                                 created_at + window_s - now)
+                                 expires_at - now)
         if outlook is not None:
             return outlook.line()
     return None

@@ -24,6 +24,7 @@ from openai.types import Batch, FileObject
 
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file
+from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.client.errors import BatchNotDone, InputFileError, PoolConfigError
 from aibrix_operators.client.profile import normalize_base_url
 from aibrix_operators.client.progress import ProgressReader
@@ -59,7 +60,7 @@ class BatchClient:
             return self.openai.files.create(file=(path.name, reader), purpose="batch")
 
     def create_batch(self, input_file: str | os.PathLike[str] | IO[bytes] | None = None, *,
-                     input_file_id: str | None = None, completion_window: str = "24h",
+                     input_file_id: str | None = None, completion_window: str = DEFAULT_COMPLETION_WINDOW,
                      metadata: dict[str, str] | None = None, endpoint: str | None = None,
                      idempotency_key: str | None = None,
                      pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | None = None,

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.lifecycle import BatchStatus
+from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.client.errors import ClientError, ExitCode, describe
 from aibrix_operators.client.profile import API_KEY_ENV, BASE_URL_ENV, CONFIG_ENV, PROFILE_ENV, resolve
 from aibrix_operators.client.progress import RateMeter, TransferBar, batch_progress, request_tally
@@ -92,7 +93,8 @@ def build_parser() -> Parser:
                   "--config pool.yaml --wait")
     create.add_argument("--input", "-i", required=True, metavar="FILE", help="OpenAI batch JSONL file")
     create.add_argument("--endpoint", help="default: the url of the file's first line")
-    create.add_argument("--window", default="24h", help="completion window: 24h, 90m, 3600s (default 24h)")
+    create.add_argument("--window", default=DEFAULT_COMPLETION_WINDOW,
+                        help=f"completion window: 24h, 90m, 3600s (default {DEFAULT_COMPLETION_WINDOW})")
     create.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                         help="batch metadata; repeat for more")
     create.add_argument("--idempotency-key", help="a retry with the same key returns the same batch")

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from aibrix_operators.batch.deadline import DEFAULT_COMPLETION_WINDOW, submitted_at
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.failures import (
     FailureRecord,
@@ -99,7 +100,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         max_requests: int = DEFAULT_MAX_REQUESTS,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-        completion_window: str = "24h",
+        completion_window: str = DEFAULT_COMPLETION_WINDOW,
         metadata: dict[str, str] | None = None,
         expected_model: str | None = None,
         aws_conn_id: str | None = None,
@@ -174,6 +175,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             prefix_grouping=str(self.prefix_grouping or "auto"),
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
+            submitted_at=_submitted_at(context),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
@@ -203,6 +205,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             obj = failed_batch(
                 batch_id=batch_id, input_uri=self.input_uri, errors=error_list(code, message),
                 completion_window=str(self.completion_window), metadata=metadata,
+                created_at=_submitted_at(context),
             )
             try:
                 if out_storage is None:
@@ -215,6 +218,12 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         log.error("batch %s failed: [%s] %s", batch_id, code, message)
         log.error("%s", record.describe())
         raise AirflowFailException(f"[{code}] {message}\n{record.describe()}") from None
+
+
+def _submitted_at(context: Context) -> int:
+    """The batch's submission instant, its window's start: the run's ``run_after`` (batch/deadline.py)."""
+    dag_run = context.get("dag_run")
+    return submitted_at(getattr(dag_run, "run_after", None))
 
 
 def _refusal(policy: TrustPolicy, output_uri: str, aws_conn_id: str | None) -> str | None:

@@ -22,6 +22,7 @@ from aibrix_operators.airflow_recovery import dispatch_retry_policy
 from aibrix_operators.batch.job_pool import KEYS as POOL_KEYS
 from aibrix_operators.batch.lifecycle import Step
 from aibrix_operators.batch.records import (
+    DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -115,7 +116,7 @@ BATCH_PARAMS: dict[str, Param] = {
         "anything else is refused (docs/shared-capacity.md).",
     ),
     "completion_window": Param(
-        "24h", type="string", pattern="^[0-9]+[hms]$",
+        DEFAULT_COMPLETION_WINDOW, type="string", pattern="^[0-9]+[hms]$",
         description="Deadline from submission; requests not started by then end as batch_expired.",
     ),
     "execution_mode": Param(
