@@ -23,7 +23,7 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-fast test-orchestrator test-inference images lint system-packages eval-model bench clean
+.PHONY: setup run test test-fast test-orchestrator test-parallel test-serial test-inference durations images lint system-packages eval-model bench clean
 
 # What `make run` uses: nothing of the system packages, the eval model or the images.
 RUN_DEPS := $(VENV)/.installed $(IVENV)/.installed $(MODEL)/config.json
@@ -106,14 +106,25 @@ lint: $(VENV)/.installed
 images: system-packages
 	$(PYTHON) inference_images/build.py
 
-# The environments and the images are independent (pip and model training beside podman builds
-# that mostly wait on the network): built side by side, then the suites, one after the other.
+# The environments and the images are independent (pip beside podman builds that mostly wait on
+# the network): built side by side. The nightly-eval model trains on one core for ~6 minutes, and
+# only the nightly-eval tests use it: it trains beside the suite's two-worker pass instead of
+# before it (a test that needs it waits on its lock, train_eval_model.py, while the other worker
+# and the training keep both cores busy). Then the tests that must run alone, then the kvcache
+# suite.
 test:
-	$(MAKE) -j2 setup eval-model images
+	$(MAKE) -j2 setup images
 	$(VENV)/bin/python -m tests.starts reset
 	$(VENV)/bin/python -m tests.durations reset
-	$(MAKE) lint test-orchestrator test-inference
+	$(MAKE) lint
+	$(MAKE) -j2 eval-model test-parallel
+	$(MAKE) test-serial test-inference
 	@$(VENV)/bin/python -m tests.starts
+
+# Fold the last `make test`'s per-file durations into tests/durations.json (commit it): the
+# parallel passes hand out files longest first by it (tests/durations.py).
+durations:
+	$(VENV)/bin/python -m tests.durations update
 
 # The inner loop (docs/testing.md): lint and the unit tier, the tests that start no process
 # (tests/tiers.py checks that), in both environments. No system packages, model or image.
@@ -127,16 +138,21 @@ test-fast: $(VENV)/.installed $(IVENV)/.installed
 # a long path) overflows the 107-byte socket path limit. Don't run two suites at once: pytest
 # prunes all but the newest 3 of /tmp/pytest-of-$USER, including a running suite's fixtures.
 #
-# Two xdist workers, whole files each (module fixtures start once), longest files first
-# (tests/conftest.py; --no-loadscope-reorder keeps that order, which xdist would otherwise
-# replace by the number of tests per file). Most of the suite waits on Airflow and vLLM
+# Two xdist workers, whole files each (module fixtures start once), longest files first by
+# their stored durations (tests/durations.py; --no-loadscope-reorder keeps that order, which
+# xdist would otherwise replace by the number of tests per file). Most of the suite waits on Airflow and vLLM
 # processes, so two at once fit on two cores (2026-12-02, this 2-core VM: 2335 s of wall time
 # for tests whose own times add up to 4258 s). Tests marked `serial` (their outcome depends on
 # the server's load) run after, alone.
-test-orchestrator: setup eval-model
+test-orchestrator:
+	$(MAKE) test-parallel test-serial
+
+test-parallel: setup
 	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not serial" \
 		tests --ignore=tests/kvcache
+
+test-serial: setup
 	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=10 -m serial tests --ignore=tests/kvcache
 
 # The KV-cache connector inside real vLLM CPU servers; two workers, whole files each

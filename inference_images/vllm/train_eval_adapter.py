@@ -33,7 +33,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from train_eval_model import TASKS, _cpu_seconds, encode_batch, greedy_accuracy  # noqa: E402
+from train_eval_model import (  # noqa: E402
+    TASKS,
+    _cpu_seconds,
+    encode_batch,
+    greedy_accuracy,
+    training_lock,
+)
 
 ADAPTER_TASKS = TASKS.with_name("adapter_tasks.py")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -180,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="override the config's steps (experiments)")
     parser.add_argument("--lr", type=float, help="override the config's learning rate (experiments)")
     args = parser.parse_args(argv)
+    # The base model's lock too (always base first, then this folder's: no two orders, no deadlock):
+    # the base must not be retrained underneath while this reads its key and weights.
+    with training_lock(args.base), training_lock(args.out):
+        _train_unless_cached(args)
+
+
+def _train_unless_cached(args: argparse.Namespace) -> None:
     config = dict(CONFIG, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v})
     key = cache_key(config, args.base)
     key_file = args.out / "train_key.txt"

@@ -23,6 +23,8 @@ Usage (inference environment)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -203,11 +205,27 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextlib.contextmanager
+def training_lock(out: Path):
+    """Held while ``out`` is checked and trained: ``make test`` trains in the background while the
+    suite runs, and a test that needs the model runs the same script, which waits here and then
+    finds the key matching instead of training into the same folder at once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, help="override the config's steps (experiments)")
     args = parser.parse_args(argv)
+    with training_lock(args.out):
+        _train_unless_cached(args)
+
+
+def _train_unless_cached(args: argparse.Namespace) -> None:
     config = dict(CONFIG, **({"steps": args.steps} if args.steps else {}))
     key = cache_key(config)
     key_file = args.out / "train_key.txt"

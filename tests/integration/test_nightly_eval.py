@@ -31,8 +31,9 @@ SERVED = "eval-llama"
 
 @pytest.fixture(scope="module")
 def eval_model() -> Path:
-    """The trained model (`make eval-model` trains it, and `make test` runs that first; this trains
-    it when missing, e.g. for a lone pytest run, and is a no-op when its key matches)."""
+    """The trained model (`make eval-model` trains it, and `make test` runs that beside the suite's
+    parallel pass; this waits on the training's lock, then finds the key matching, or trains it
+    when missing, e.g. for a lone pytest run)."""
     subprocess.run([str(INFERENCE_PYTHON), str(REPO_ROOT / "inference_images/vllm/train_eval_model.py"),
                     str(EVAL_MODEL)], check=True)
     return EVAL_MODEL
