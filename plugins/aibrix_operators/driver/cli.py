@@ -49,7 +49,7 @@ from typing import Any
 
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
-from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
 from aibrix_operators.driver.preflight import EndpointUnavailable, ModelNotServed, check_endpoint
 from aibrix_operators.driver.runner import ShardChanged, ShardOutcome, run_shard
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="longest wait between attempts (default: %(default)s)")
 
     outage = p.add_argument_group("endpoint outages")
-    outage.add_argument("--endpoint-wait", type=float, default=0.0, metavar="SECONDS",
+    outage.add_argument("--endpoint-wait", type=float, default=DEFAULT_ENDPOINT_WAIT_S, metavar="SECONDS",
                         help="preflight: wait this long for a starting server (default: %(default)s)")
     outage.add_argument("--skip-preflight", action="store_true",
                         help="send without checking the endpoint and model first")

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.trust import endpoint_form_problem, under_base
+
+# How long a shard's preflight waits for a starting or restarting endpoint (driver/preflight.py):
+# the operator's, the DAG param's, the pod's and the CLI's default.
+DEFAULT_ENDPOINT_WAIT_S = 300.0
+
+
+def default(name: str) -> Any:
+    """A ``DriverConfig`` field's default: where every per-shard setting's default lives (the DAG's
+    params, the operator's signature, the pod request and the driver CLI read it here)."""
+    return DriverConfig.__dataclass_fields__[name].default
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, default
 from aibrix_operators.trust import TrustViolation
 
 # The CLI in the driver image (inference_images/batch_driver/): same entry point as the Dockerfile's.
@@ -116,11 +117,11 @@ class DriverPodRequest:
     deadline: float  # end of the completion window, seconds since the epoch
     attempt: int  # Airflow's try_number
     model: str | None = None
-    concurrency: int = 64
-    max_attempts: int = 5
-    request_timeout_s: float = 600.0
-    endpoint_wait_s: float = 300.0
-    outage_budget_s: float = 900.0
+    concurrency: int = default("concurrency")
+    max_attempts: int = default("max_attempts")
+    request_timeout_s: float = default("request_timeout_s")
+    endpoint_wait_s: float = DEFAULT_ENDPOINT_WAIT_S
+    outage_budget_s: float = default("outage_budget_s")
     namespace: str | None = None  # None: the settings' default
     service_account: str | None = None
     cancel_uri: str | None = None  # the run's cancel marker (driver/cancel.py), watched by the pod

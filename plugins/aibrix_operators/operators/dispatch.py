@@ -26,7 +26,7 @@ from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, salt_for_run
 from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_KEY_VARIABLE
 from aibrix_operators.driver.cache_salt import check_cache_salt
-from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig, default
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
 from aibrix_operators.driver.results import results_prefix
 from aibrix_operators.driver_pods.outcome import DriverPodFailure
@@ -187,12 +187,12 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         shard: Any,
         validated: Any,
         endpoint: str | None = None,
-        concurrency: int = 64,
-        max_attempts: int = 5,
-        request_timeout_s: float = 600.0,
+        concurrency: int = default("concurrency"),
+        max_attempts: int = default("max_attempts"),
+        request_timeout_s: float = default("request_timeout_s"),
         execution_mode: str = "local",
-        endpoint_wait_s: float = 300.0,
-        outage_budget_s: float = 900.0,
+        endpoint_wait_s: float = DEFAULT_ENDPOINT_WAIT_S,
+        outage_budget_s: float = default("outage_budget_s"),
         inference_conn_id: str | None = None,
         aws_conn_id: str | None = None,
         kubernetes_namespace: str | None = None,

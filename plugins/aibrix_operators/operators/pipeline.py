@@ -28,6 +28,7 @@ from aibrix_operators.batch.records import (
     DEFAULT_MAX_REQUESTS,
     SUPPORTED_ENDPOINTS,
 )
+from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, default
 from aibrix_operators.operators.batch import (
     MergeBatchOperator,
     RecordBatchFailureOperator,
@@ -71,7 +72,7 @@ BATCH_PARAMS: dict[str, Param] = {
         "the same shard, back to back, so the server's prefix cache reuses it; skipped when the file "
         "shows no shared prefixes. Output stays in input order. off: shards keep input order.",
     ),
-    "concurrency": Param(64, type="integer", minimum=1, maximum=4096,
+    "concurrency": Param(default("concurrency"), type="integer", minimum=1, maximum=4096,
                          description="Requests in flight per shard."),
     # The job pool (batch/job_pool.py, docs/job-pool.md): AIBrix's pool keys, bounded by the
     # deployment's [aibrix_batch] pool_* limits.
@@ -90,18 +91,19 @@ BATCH_PARAMS: dict[str, Param] = {
         description="How the serving group's pods are placed: pack (fill a node) or spread (across "
         "nodes). The deployment's choice ([aibrix_batch] gpu_policy); only a restatement of it.",
     ),
-    "max_attempts": Param(5, type="integer", minimum=1, maximum=20,
+    "max_attempts": Param(default("max_attempts"), type="integer", minimum=1, maximum=20,
                           description="Attempts per request on 429/5xx/timeouts."),
     "endpoint_wait_s": Param(
-        300, type="number", minimum=0,
+        DEFAULT_ENDPOINT_WAIT_S, type="number", minimum=0,
         description="How long a shard waits for a starting or restarting endpoint before failing.",
     ),
     "outage_budget_s": Param(
-        900, type="number", minimum=1,
+        default("outage_budget_s"), type="number", minimum=1,
         description="How long a running shard waits out an endpoint that answers nothing (restart, "
         "502/503 storm) before the task fails and Airflow retries it; requests are never failed for it.",
     ),
-    "request_timeout_s": Param(600, type="number", minimum=1, description="Per-request timeout."),
+    "request_timeout_s": Param(default("request_timeout_s"), type="number", minimum=1,
+                               description="Per-request timeout."),
     "cache_salt": Param(
         None, type=["null", "string"], maxLength=128,
         description="vLLM cache_salt added to every chat/completions request, as param:<salt> (a "
