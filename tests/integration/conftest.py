@@ -90,8 +90,10 @@ def allow_list_env(tmp_root: Path) -> dict[str, str]:
 def dags_test(env: dict[str, str], conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
     """Run batch_inference in-process via `airflow dags test`; keep its log for failures."""
     proc = subprocess.run(
+        # -f: parse only the DAG's own file, as a task's process does (the whole folder costs
+        # 11.5 s of CPU per run against 5.0 s, 2026-12-05): 38 runs a suite.
         [str(Path(sys.executable).with_name("airflow")), "dags", "test", "batch_inference",
-         "-c", json.dumps(conf)],
+         "-f", str(REPO_ROOT / "dags" / "batch_inference.py"), "-c", json.dumps(conf)],
         env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ def serve(model: Path) -> VLLMServer:
 def eval_dag(env: dict[str, str], suite: str, conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("airflow")), "dags", "test", f"nightly_eval__{suite}",
+         "-f", str(REPO_ROOT / "dags" / "nightly_eval.py"),
          "-c", json.dumps(conf)],
         env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
     )
