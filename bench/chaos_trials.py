@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _chaos_server import ChaosServer  # noqa: E402
 
-from aibrix_operators.driver.results import shard_result_log  # noqa: E402
+from aibrix_operators.batch.shard_results import shard_result_log  # noqa: E402
 from aibrix_operators.storage import LocalStorage  # noqa: E402
 
 FLUSH_INTERVAL_S = 0.2

@@ -132,7 +132,7 @@ def run_dag(args: argparse.Namespace) -> int:
 BUCKETS = [
     ("aiohttp (client, HTTP parsing, connector)", ("aiohttp/", "multidict", "yarl/")),
     ("JSON (orjson/json)", ("orjson", "json/")),
-    ("checkpoint and result writing", ("driver/checkpoint.py", "driver/results.py", "storage.py")),
+    ("checkpoint and result writing", ("driver/checkpoint.py", "batch/shard_results.py", "storage.py")),
     ("the driver's own code", ("aibrix_operators/",)),
     ("asyncio event loop", ("asyncio/", "uvloop", "selectors.py", "<built-in method select")),
 ]

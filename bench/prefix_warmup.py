@@ -25,8 +25,8 @@ import time
 from array import array
 from pathlib import Path
 
+from aibrix_operators.batch.shard_results import shard_result_log
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.results import shard_result_log
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.localenv import WORK_DIR
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec

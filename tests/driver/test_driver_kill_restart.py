@@ -11,7 +11,7 @@ import time
 import pytest
 
 from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
-from aibrix_operators.driver.results import results_prefix, shard_result_log
+from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
 from aibrix_operators.storage import LocalStorage
 
 pytestmark = pytest.mark.service

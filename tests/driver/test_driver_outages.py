@@ -12,10 +12,10 @@ from collections.abc import Awaitable
 import pytest
 
 from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
+from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
-from aibrix_operators.driver.results import results_prefix, shard_result_log
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.storage import LocalStorage, StorageError
 from tests.driver.test_driver_faults import config, results_by_id, write_shard
@@ -274,7 +274,8 @@ async def test_outage_with_default_settings_the_issue_reproduction(tmp_path, fau
 
 
 async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fault_server, make_request):
-    from aibrix_operators.batch.job import request_cancel, run_shard_of_batch
+    from aibrix_operators.batch.job import request_cancel
+    from aibrix_operators.driver.batch_shard import run_shard_of_batch
 
     storage = LocalStorage()
     records = [make_request(f"k-{i:04d}", "slow:0.02") for i in range(400)]
@@ -312,7 +313,8 @@ async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fau
 async def test_a_cancel_before_the_shard_starts_sends_nothing(tmp_path, fault_server, make_request):
     # Issue 19, finding 14: the cancel watch started beside the workers, so a shard cancelled
     # before it began still sent up to `concurrency` requests (AIBrix's own API test caught it).
-    from aibrix_operators.batch.job import request_cancel, run_shard_of_batch
+    from aibrix_operators.batch.job import request_cancel
+    from aibrix_operators.driver.batch_shard import run_shard_of_batch
 
     storage = LocalStorage()
     records = [make_request(f"c-{i:03d}") for i in range(30)]

@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from aibrix_operators.batch.prefixes import PrefixSignatures
+from aibrix_operators.batch.shard_results import shard_result_log
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.results import shard_result_log
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.driver.warmup import WarmupGate, prefix_hashes
 from aibrix_operators.storage import LocalStorage

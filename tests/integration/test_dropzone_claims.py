@@ -222,7 +222,7 @@ def test_names_storage_cannot_address_are_never_claimed_and_block_nothing(s3, s3
 
 
 def _segment_key(work: str) -> str:
-    """The key of a driver's checkpoint segment under a run's work prefix (driver/results.py)."""
+    """The key of a driver's checkpoint segment under a run's work prefix (batch/shard_results.py)."""
     return _key_of(work) + "/results/shard-00000/" + "0" * 24 + "/seg-" + "1" * 20 + "-abcdef01-000001.jsonl"
 
 

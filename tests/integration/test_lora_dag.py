@@ -295,9 +295,9 @@ def test_an_adapter_the_server_loses_mid_shard_pauses_the_shard_not_its_requests
     import threading
     import time
 
+    from aibrix_operators.batch.shard_results import shard_result_log
     from aibrix_operators.driver.config import DriverConfig
     from aibrix_operators.driver.health import EndpointOutage
-    from aibrix_operators.driver.results import shard_result_log
     from aibrix_operators.driver.runner import run_shard
     from aibrix_operators.storage import LocalStorage
 

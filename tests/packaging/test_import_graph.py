@@ -98,3 +98,13 @@ def test_the_package_has_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_a_function_level_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_batch_core_imports_nothing_of_the_driver() -> None:
+    """``batch/`` (validate, split, merge, the shard result log) is what the driver reads and
+    writes, not the other way round: one arrow, driver -> batch (issue 38)."""
+    graph = import_graph()
+    back_up = sorted((m, t) for m, targets in graph.items() if m.startswith("aibrix_operators.batch.")
+                     for t in targets if t.startswith("aibrix_operators.driver"))
+    assert back_up == []
+    assert "aibrix_operators.batch.shard_results" in graph["aibrix_operators.driver.runner"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
-from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.scaling.progress import ProgressTracker, profile_requests, sample_profile
 from aibrix_operators.storage import LocalStorage
 

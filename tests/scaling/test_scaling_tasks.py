@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
 
+from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
-from aibrix_operators.driver.results import ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.sensors.scaling import (
     DECISIONS_KEY,
     AutoscaleSensor,

@@ -15,11 +15,11 @@ from aibrix_operators.batch.job import (
     finalize_batch,
     prefix_order_uri,
     request_cancel,
-    run_shard_of_batch,
     split_batch,
     validate_batch,
 )
 from aibrix_operators.batch.records import LONGEST_WORK_KEY_SUFFIX, S3_MAX_KEY_BYTES, work_prefix
+from aibrix_operators.driver.batch_shard import run_shard_of_batch
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.dropzone import core
 from aibrix_operators.dropzone.core import DropZone, InboxObject, claim, key_length_problem, parse_listing

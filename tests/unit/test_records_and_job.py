@@ -23,10 +23,10 @@ from aibrix_operators.batch.records import (
     parse_completion_window,
     success_record,
 )
+from aibrix_operators.batch.shard_results import ResultLog, results_prefix, shard_result_log
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.progress import ProgressReporter
-from aibrix_operators.driver.results import ResultLog, results_prefix, shard_result_log
 
 # OpenAI's Batch object fields (https://platform.openai.com/docs/api-reference/batch/object)
 BATCH_KEYS = {

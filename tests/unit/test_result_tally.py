@@ -12,9 +12,9 @@ from typing import Any
 from aibrix_operators.batch.jsonfast import dumps
 from aibrix_operators.batch.lifecycle import RunSnapshot, TaskState
 from aibrix_operators.batch.records import error_record, success_record
+from aibrix_operators.batch.shard_results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.airflow_runs import BatchRuns
-from aibrix_operators.driver.results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.storage import LocalStorage
 
 

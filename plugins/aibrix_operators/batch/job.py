@@ -52,11 +52,9 @@ from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helper
     parse_completion_window,
     work_prefix,
 )
+from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
 from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
-from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.results import results_prefix, shard_result_log
-from aibrix_operators.driver.runner import ShardOutcome, run_shard
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 
@@ -262,18 +260,6 @@ def split_batch(
         return split_grouped(storage, batch.input_uri, work, report, plan, order, offsets,
                              models, batch.adapters)
     return split_file(storage, batch.input_uri, work, report, plan)
-
-
-async def run_shard_of_batch(
-    storage: Storage, shard: ShardSpec, work: str, config: DriverConfig
-) -> ShardOutcome:
-    """Run one shard of the batch; the run's cancel marker is watched unless told otherwise."""
-    if config.cancel_uri is None:
-        config = dataclasses.replace(config, cancel_uri=cancel_marker_uri(work))
-    return await run_shard(
-        storage, shard.uri, results_prefix(work, shard.name), config,
-        total=shard.num_requests, name=shard.name,
-    )
 
 
 def finalize_batch(

@@ -37,7 +37,7 @@ def work_prefix(output_uri: str, run_id: str) -> str:
 S3_MAX_KEY_BYTES = 1024
 # The longest key a batch writes, past its run's work prefix (``<output>/_work/<run id>``): a
 # driver's checkpoint segment, ``/results/shard-NNNNN/<binding>/seg-<attempt>-<seq>.jsonl`` with
-# a 5-digit shard index (at most 1,024 shards), the 24-hex content binding (driver/results.py's
+# a 5-digit shard index (at most 1,024 shards), the 24-hex content binding (batch/shard_results.py's
 # 12-byte blake2b), the attempt id (a 20-digit ns time, "-", 8 hex) and a 6-digit sequence (it
 # grows past 6 digits only after a million flushes in one attempt: 11 days of 1 s flushes).
 # Every other key is shorter: shards/shard-NNNNN.jsonl and .lines, prefix-order.npy and CANCEL

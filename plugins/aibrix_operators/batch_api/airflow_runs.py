@@ -23,10 +23,10 @@ from typing import Any
 from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
 from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.merging import BATCH_FILE
+from aibrix_operators.batch.shard_results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.files import batch_output_uri
-from aibrix_operators.driver.results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
 RUN_PREFIX = "openai__"

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from aibrix_operators.driver.results import ResultLog
+from aibrix_operators.batch.shard_results import ResultLog
 from aibrix_operators.driver.retry import backoff_delay
 
 log = logging.getLogger(__name__)

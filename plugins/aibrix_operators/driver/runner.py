@@ -26,6 +26,7 @@ from aibrix_operators.batch.error_codes import RequestError, http_code
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
 from aibrix_operators.batch.records import Usage, error_record, success_record
+from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard
 from aibrix_operators.capacity import controller as shared_capacity
 from aibrix_operators.capacity.controller import EndpointController, ShardDemand
 from aibrix_operators.driver.cache_salt import salted_body
@@ -38,7 +39,6 @@ from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve
 from aibrix_operators.driver.preflight import probe_endpoint
 from aibrix_operators.driver.priority import DEDICATED_PRIORITY, prioritized_body
 from aibrix_operators.driver.progress import ProgressReporter
-from aibrix_operators.driver.results import ResultLog, fingerprint_shard
 from aibrix_operators.driver.retry import (
     backoff_delay,
     exception_code,

@@ -19,16 +19,17 @@ from typing import Any, Protocol
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, run_shard_of_batch, work_prefix
+from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, work_prefix
 from aibrix_operators.batch.job_pool import JobPool
+from aibrix_operators.batch.shard_results import results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, salt_for_run
 from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_KEY_VARIABLE
+from aibrix_operators.driver.batch_shard import run_shard_of_batch
 from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig, default
 from aibrix_operators.driver.preflight import ModelNotServed, check_endpoint
-from aibrix_operators.driver.results import results_prefix
 from aibrix_operators.driver_pods.outcome import DriverPodFailure
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage

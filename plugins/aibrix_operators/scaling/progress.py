@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.shard_results import SEGMENT_SUFFIX, ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
-from aibrix_operators.driver.results import SEGMENT_SUFFIX, ResultLog, fingerprint_shard, results_prefix
 from aibrix_operators.scaling.policy import RemainingWork
 from aibrix_operators.storage import Storage
 
