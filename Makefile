@@ -48,12 +48,17 @@ $(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt requirements-inf
 	$(IVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-# redis-server: the kvcache L2 tier's tests start their own instance on 127.0.0.1.
+# redis-server: the kvcache L2 tier's tests and the Celery test's broker start their own instance
+# on 127.0.0.1.
 # podman, runc, debootstrap: `make images` builds the shipped images and tests/images runs them.
 system-packages:
 	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install podman, runc, debootstrap (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq podman runc debootstrap >/dev/null; \
 	  else echo "podman is missing: sudo apt-get install podman runc debootstrap" >&2; exit 1; fi; }
+	@# postgresql: the multi-node tests' metadata database (tests/integration/cluster_services.py)
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install postgresql (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; \
+	  else echo "postgresql is missing: sudo apt-get install postgresql" >&2; exit 1; fi; }
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install redis-server (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy.engine import make_url
 
 from aibrix_operators.localenv import EXECUTOR
 
@@ -31,7 +32,15 @@ def test_the_stack_is_complete(services):
             "grafana", "pushgateway"} <= set(services)
     assert services["vllm-gpu"]["profiles"] == ["gpu"]
     airflow = services["airflow-scheduler"]["environment"]
-    assert airflow["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://")
+    # The driver our pins install (requirements.txt: psycopg 3, SQLAlchemy 2.1's default), and
+    # the async one Airflow derives for any PostgreSQL database: both load here.
+    conn = airflow["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    url = make_url(re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", conn))  # the compose default password
+    async_url = url.set(drivername="postgresql+asyncpg")
+    assert (url.drivername, url.get_dialect().driver, async_url.get_dialect().driver) == (
+        "postgresql+psycopg", "psycopg", "asyncpg")
+    url.get_dialect().import_dbapi()  # installed: ImportError otherwise
+    async_url.get_dialect().import_dbapi()
     assert airflow["AIRFLOW__CORE__EXECUTOR"] == EXECUTOR
     assert all(s.get("command") != ["standalone"] for s in services.values())
 
