@@ -44,7 +44,10 @@ def test_help_documents_every_flag_env_and_exit_codes(tmp_path):
 @pytest.mark.service
 def test_wrong_endpoint_is_one_line_exit_3_and_records_nothing(tmp_path, make_request):
     shard = write_shard(tmp_path, [make_request(f"a{i}") for i in range(5)])
-    proc = run_cli(*base_args(tmp_path, f"http://127.0.0.1:{free_port()}", shard), cwd=tmp_path)
+    # --endpoint-wait 0: fail at once, not after the default wait for a starting endpoint (300 s,
+    # the operator's and the pod's too: driver.config.DEFAULT_ENDPOINT_WAIT_S).
+    proc = run_cli(*base_args(tmp_path, f"http://127.0.0.1:{free_port()}", shard), "--endpoint-wait", "0",
+                   cwd=tmp_path)
     assert proc.returncode == cli.EXIT_ENDPOINT_UNAVAILABLE, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "cannot reach the inference endpoint" in proc.stderr
