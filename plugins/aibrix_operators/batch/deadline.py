@@ -22,8 +22,6 @@ from typing import Any
 
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW, parse_completion_window
 
-__all__ = ["DEFAULT_COMPLETION_WINDOW", "deadline", "run_deadline", "submitted_at"]
-
 
 def submitted_at(run_after: datetime | None) -> int:
     """The batch's submission instant in whole Unix seconds (what ``created_at`` shows): its run's

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aibrix_operators.batch.deadline import DEFAULT_COMPLETION_WINDOW, deadline
+from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.lifecycle import (
     ENDED_WITH_OUTPUT,
@@ -19,6 +19,7 @@ from aibrix_operators.batch.lifecycle import (
     TaskState,
     batch_status,
 )
+from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.batch.window_outlook import window_outlook
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id

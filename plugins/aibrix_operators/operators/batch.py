@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from aibrix_operators.batch.deadline import DEFAULT_COMPLETION_WINDOW, submitted_at
+from aibrix_operators.batch.deadline import submitted_at
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.failures import (
     FailureRecord,
@@ -32,6 +32,7 @@ from aibrix_operators.batch.job_pool import JobPool, JobPoolError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
 from aibrix_operators.batch.records import (
+    DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_REQUESTS,
