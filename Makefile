@@ -112,18 +112,19 @@ images: system-packages
 	$(PYTHON) inference_images/build.py
 
 # The environments and the images are independent (pip beside podman builds that mostly wait on
-# the network): built side by side. The nightly-eval model trains on one core for ~6 minutes, and
-# only the nightly-eval tests use it: it trains beside the suite's two-worker pass instead of
-# before it (a test that needs it waits on its lock, train_eval_model.py, while the other worker
-# and the training keep both cores busy). Then the tests that must run alone, then the kvcache
-# suite.
+# the network): built side by side. The nightly-eval model trains on one core for ~5 minutes, and
+# only the nightly-eval tests use it: it trains beside the tests that must run alone (the serial
+# pass: one vLLM server at a time, about one core busy), which takes about as long and leaves the
+# other core to it; the two-worker pass then has both cores (docs/testing.md, "How make test
+# spends its time"). A test that needs the model waits on its lock (train_eval_model.py). Then
+# the kvcache suite.
 test:
 	$(MAKE) -j2 setup images
 	$(VENV)/bin/python -m tests.starts reset
 	$(VENV)/bin/python -m tests.durations reset
 	$(MAKE) lint
-	$(MAKE) -j2 eval-model test-parallel
-	$(MAKE) test-serial test-inference
+	$(MAKE) -j2 eval-model test-serial
+	$(MAKE) test-parallel test-inference
 	@$(VENV)/bin/python -m tests.starts
 
 # Fold the last `make test`'s per-file durations into tests/durations.json (commit it): the
@@ -143,17 +144,17 @@ test-fast: $(VENV)/.installed $(IVENV)/.installed
 # a long path) overflows the 107-byte socket path limit. Don't run two suites at once: pytest
 # prunes all but the newest 3 of /tmp/pytest-of-$USER, including a running suite's fixtures.
 #
-# Two xdist workers, whole files each (module fixtures start once), longest files first by
+# Three xdist workers, whole files each (module fixtures start once), longest files first by
 # their stored durations (tests/durations.py; --no-loadscope-reorder keeps that order, which
-# xdist would otherwise replace by the number of tests per file). Most of the suite waits on Airflow and vLLM
-# processes, so two at once fit on two cores (2026-12-02, this 2-core VM: 2335 s of wall time
-# for tests whose own times add up to 4258 s). Tests marked `serial` (their outcome depends on
-# the server's load) run after, alone.
+# xdist would otherwise replace by the number of tests per file). Much of an e2e test waits on
+# Airflow's scheduling and on vLLM: with two workers the cores idled a third of the pass's last
+# ten minutes (vmstat, clean-clone run of 1547e36), which a third worker fills. Tests marked
+# `serial` (their outcome depends on the server's load) run alone, before (`make test`).
 test-orchestrator:
-	$(MAKE) test-parallel test-serial
+	$(MAKE) test-serial test-parallel
 
 test-parallel: setup
-	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder \
+	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 3 --dist loadfile --no-loadscope-reorder \
 		-m "not serial" \
 		tests --ignore=tests/kvcache
 

@@ -11,6 +11,10 @@ fixtures count; the xdist controller, which sees every worker's reports) to
 ``.work/test-durations/main-<pid>.json``; ``make durations`` folds the last
 ``make test``'s records into ``tests/durations.json`` (``python -m tests.durations update``), which
 is committed. Only the order depends on it: a stale entry costs balance, never a test.
+
+Beside the sums, each run writes a timeline (``timeline-<pid>.json``: per file, the worker that ran
+it, its first start and last stop): ``python -m tests.durations timeline`` prints it, which shows
+where a pass waited on one long file while the other worker had nothing left.
 """
 
 from __future__ import annotations
@@ -39,9 +43,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.spans: dict[str, list] = {}  # file -> [worker, first start, last stop]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[file_of(report.nodeid)] += report.duration
+        name = file_of(report.nodeid)
+        self.seconds[name] += report.duration
+        node = getattr(report, "node", None)  # xdist: the worker that ran it
+        worker = getattr(getattr(node, "gateway", None), "id", "main")
+        span = self.spans.setdefault(name, [worker, report.start, report.stop])
+        span[1], span[2] = min(span[1], report.start), max(span[2], report.stop)
 
     def write(self, worker: str) -> None:
         if not self.seconds:
@@ -49,6 +59,8 @@ class Recorder:
         RECORDS.mkdir(parents=True, exist_ok=True)
         out = RECORDS / f"{worker}-{os.getpid()}.json"
         out.write_text(json.dumps({k: round(v, 1) for k, v in sorted(self.seconds.items())}, indent=1))
+        spans = sorted(([name, *span] for name, span in self.spans.items()), key=lambda s: s[2])
+        (RECORDS / f"timeline-{os.getpid()}.json").write_text(json.dumps(spans))
 
 
 def stored() -> dict[str, float]:
@@ -82,7 +94,7 @@ def update() -> dict[str, float]:
     """Fold the last run's records into ``tests/durations.json``; files that no longer exist drop out."""
     merged = stored()
     recorded: defaultdict[str, float] = defaultdict(float)
-    for path in sorted(RECORDS.glob("*.json")) if RECORDS.exists() else ():
+    for path in sorted(RECORDS.glob("main-*.json")) if RECORDS.exists() else ():
         for name, seconds in json.loads(path.read_text()).items():
             recorded[name] += seconds  # a file in two passes (none today) counts both
     if not recorded:
@@ -94,11 +106,25 @@ def update() -> dict[str, float]:
     return merged
 
 
+def timeline() -> list[str]:
+    """The last run's files in the order they started: pass start offset, worker, span, file."""
+    lines = []
+    for path in sorted(RECORDS.glob("timeline-*.json"), key=lambda p: p.stat().st_mtime):
+        spans = json.loads(path.read_text())
+        t0 = min(s[2] for s in spans)
+        lines.append(f"-- {path.name}: {max(s[3] for s in spans) - t0:.0f} s")
+        lines += [f"{start - t0:7.0f} {stop - t0:7.0f}  {worker:5} {name}"
+                  for name, worker, start, stop in spans]
+    return lines
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["reset"]:
         reset()
     elif sys.argv[1:] == ["update"]:
         done = update()
         print(f"{STORED.relative_to(TESTS.parent)}: {len(done)} files, {sum(done.values()):.0f} s in all")
+    elif sys.argv[1:] == ["timeline"]:
+        print("\n".join(timeline()))
     else:
-        raise SystemExit("usage: python -m tests.durations reset|update")
+        raise SystemExit("usage: python -m tests.durations reset|update|timeline")

@@ -31,6 +31,7 @@ def test_a_runs_records_fold_into_the_store_and_deleted_files_drop_out(tmp_path,
     stored = tests_dir / "durations.json"
     stored.write_text(json.dumps({"x/test_kept.py": 5.0, "x/test_gone.py": 99.0, "x/test_measured.py": 1.0}))
     (records / "main-1.json").write_text(json.dumps({"x/test_measured.py": 42.04}))
+    (records / "timeline-1.json").write_text(json.dumps([["x/test_measured.py", "gw0", 0.0, 42.0]]))
     monkeypatch.setattr(durations, "TESTS", tests_dir)
     monkeypatch.setattr(durations, "STORED", stored)
     monkeypatch.setattr(durations, "RECORDS", records)
@@ -39,8 +40,21 @@ def test_a_runs_records_fold_into_the_store_and_deleted_files_drop_out(tmp_path,
     assert list(json.loads(stored.read_text())) == ["x/test_measured.py", "x/test_kept.py"]  # longest first
 
 
-def test_the_recorder_sums_every_phase_of_a_files_tests() -> None:
+def test_the_recorder_sums_every_phase_of_a_files_tests_and_keeps_its_span() -> None:
     recorder = durations.Recorder()
-    for nodeid, seconds in (("tests/a.py::t1", 1.5), ("tests/a.py::t1", 0.25), ("tests/b.py::t[x]", 2.0)):
-        recorder.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
+    gw1 = SimpleNamespace(gateway=SimpleNamespace(id="gw1"))
+    for nodeid, start, seconds in (("tests/a.py::t1", 100.0, 1.5), ("tests/a.py::t1", 101.5, 0.25),
+                                   ("tests/b.py::t[x]", 90.0, 2.0)):
+        recorder.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds, node=gw1,
+                                                          start=start, stop=start + seconds))
     assert dict(recorder.seconds) == {"a.py": 1.75, "b.py": 2.0}
+    assert recorder.spans == {"a.py": ["gw1", 100.0, 101.75], "b.py": ["gw1", 90.0, 92.0]}
+
+
+def test_the_timeline_lists_files_by_start_from_the_pass_start(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(durations, "RECORDS", tmp_path)
+    (tmp_path / "timeline-7.json").write_text(json.dumps(
+        [["b.py", "gw1", 1000.0, 1010.0], ["a.py", "gw0", 1004.0, 1030.0]]))
+    lines = durations.timeline()
+    assert lines[0] == "-- timeline-7.json: 30 s"
+    assert [line.split() for line in lines[1:]] == [["0", "10", "gw1", "b.py"], ["4", "30", "gw0", "a.py"]]
