@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# AIBRIX_KVCACHE_TREE: a folder holding another tree's ``kvcache`` package, driven by this same
+# script (bench/device_check.py compares this tree with an earlier one in one call).
+sys.path.insert(0, os.environ.get("AIBRIX_KVCACHE_TREE") or str(Path(__file__).resolve().parent.parent))
 
 from kvcache.config import KVCacheSettings  # noqa: E402
 from kvcache.metadata import ChunkTransfer, KVCacheStepMetadata  # noqa: E402
@@ -63,10 +66,12 @@ class Model:
 
     def __init__(self, s: Shape, device: torch.device, dtype: torch.dtype) -> None:
         self.s = s
-        g = torch.Generator(device="cpu").manual_seed(0)
+        # Drawn on the device: an 8B preset's ~7 GB of weights drawn on the host took most of
+        # a run's minute (the values only need to be fixed, not the same on every device).
+        g = torch.Generator(device=device).manual_seed(0)
 
         def w(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) * 0.02).to(device, dtype)
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
 
         self.wq = [w(s.hidden, s.heads * s.head_dim) for _ in range(s.layers)]
         self.wkv = [w(s.hidden, 2 * s.kv_heads * s.head_dim) for _ in range(s.layers)]

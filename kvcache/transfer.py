@@ -68,6 +68,9 @@ class HostCopier:
     """Synchronous copies (CPU tensors, or any device when no stream is wanted)."""
 
     pinned = False
+    # Copies on a device stream, done when their event is (CudaCopier): the jobs then issue
+    # them from the load and save threads and wait on events (transfer_jobs.py).
+    asynchronous = False
 
     def gather_rows(self, kv: torch.Tensor, layout: PagedLayout, moves: list[Move]) -> None:
         """Copy blocks of ``kv`` into host rows, one slice copy per run."""
@@ -103,6 +106,7 @@ class CudaCopier(HostCopier):
     """Side-stream copies through pinned host memory, ordered by CUDA events."""
 
     pinned = True
+    asynchronous = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -13,7 +13,9 @@ as one slice copy, so a prompt's chunks usually cost one copy per layer each way
 
 With the full L1 check on CPU (the default), each chunk is copied and then hashed while its
 bytes are still in the CPU's caches, and a step's chunks of every layer are shared out over
-the cores the worker may use (``host_copy``; one core: inline).
+the cores the worker may use (``host_copy``; one core: inline). With an asynchronous copier
+(CUDA), a save's check values are taken per layer on the hash threads as soon as that layer's
+copy has landed, beside the next layers' compute (``submit_layer_sums``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,24 @@ from kvcache.keys import storage_key
 from kvcache.metadata import ChunkTransfer
 from kvcache.tiers import L2Store, RecordRefused, TierUnavailable
 from kvcache.tiers.slab import SlabPool
-from kvcache.transfer import CudaCopier, HostCopier, Move, PagedLayout, make_copier
+from kvcache.transfer import HostCopier, Move, PagedLayout, make_copier
 
 # Under "vllm." so that records reach the handlers vLLM configures in its processes.
 log = logging.getLogger(f"vllm.{__name__}")
+
+# Threads that take a save's check values on an asynchronous (CUDA) copier, a layer at a time.
+# xxh3 runs outside the GIL, so they hash in parallel with each other and with the thread that
+# launches the forward; the full check of an 8B step (512 MiB, ~100 ms on one host thread on an
+# H200 host) then spreads over the step's ~65 ms of compute (bench/RESULTS.md, gpu_kvcache).
+MAX_HASH_THREADS = 4
+
+
+def hash_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_HASH_THREADS, cores))
 
 
 class LoadFailed(Exception):
@@ -93,21 +109,30 @@ class TransferEngine:
         self.layout: PagedLayout | None = None
         self.copier: HostCopier | None = None
         self._chunk_copier: ChunkCopier | None = None  # CPU with the full L1 check
+        self._hasher: ThreadPoolExecutor | None = None  # asynchronous copier, L1 check on
         self._kv_arrays: list[np.ndarray] = []  # and the paged layers as numpy byte views
         self.cuda = False
 
     # -- setup ---------------------------------------------------------------------------
     def register(
-        self, kv: list[torch.Tensor], num_blocks: int, block_size: int, layer_ids: list[int]
+        self,
+        kv: list[torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        layer_ids: list[int],
+        copier: HostCopier | None = None,
     ) -> None:
-        """The paged layers in layer order, and their global layer numbers (storage keys)."""
+        """The paged layers in layer order, and their global layer numbers (storage keys).
+        ``copier``: the device's own (``make_copier``) unless given."""
         self.block_size = block_size
         self.chunk_blocks = self.settings.chunk_size(block_size) // block_size
         self.layer_ids = layer_ids
         self.kv = kv
         self.layout = PagedLayout.detect(self.kv[0], num_blocks)
-        self.copier = make_copier(self.layout.device)
-        self.cuda = isinstance(self.copier, CudaCopier)
+        self.copier = copier or make_copier(self.layout.device)
+        self.cuda = self.copier.asynchronous
+        if self.cuda and self.settings.l1_checksum != "off":
+            self._hasher = ThreadPoolExecutor(hash_threads(), thread_name_prefix="kvcache-hash")
         if self.hash_per_chunk():
             self._chunk_copier = ChunkCopier(host_threads())
             self._kv_arrays = [np.moveaxis(host_array(t), self.layout.block_dim, 0) for t in self.kv]
@@ -201,6 +226,17 @@ class TransferEngine:
             out.update(zip(order[i:j], codec.fingerprints(run), strict=True))
             i = j
         return [out[s] for s in slots]
+
+    def submit_layer_sums(self, layer: int, slots: list[int], copied: object) -> Future:
+        """Check values of one layer of ``slots`` (``layer_sums``), taken on a hash thread once
+        the copy behind the event ``copied`` has landed: never of bytes still in flight."""
+        assert self._hasher is not None
+
+        def after_copy() -> list[int | None]:
+            self.wait_host(copied)
+            return self.layer_sums(layer, slots)
+
+        return self._hasher.submit(after_copy)
 
     def hash_per_chunk(self) -> bool:
         """Full L1 checks on CPU run chunk by chunk, each right after that chunk's copy, so
@@ -322,6 +358,8 @@ class TransferEngine:
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
         if self._chunk_copier is not None:
             self._chunk_copier.shutdown()
 

@@ -9,8 +9,9 @@ The job API, the same on every device:
   values ``promo_sums``;
 - store: ``StoreJob(engine, items, slots, spill)``, then ``submit_layer(L)`` (queue layer
   L's copy-out) and ``finish()`` (every copy-out done; the error, if one failed), then
-  ``wait_copied()`` before the slots are read (CUDA: DMA done, check values computed);
-  ``release_all()`` gives the slots back when the step is dropped.
+  ``wait_copied()`` before the slots are read (CUDA: DMA done, check values computed: each
+  layer's on a hash thread once its copy landed, so only the last layers' are left at the
+  barrier); ``release_all()`` gives the slots back when the step is dropped.
 
 A job holds the step's state and decides what to move; the bytes move through the
 engine's public methods. Which chunk goes where, what a hit or a miss counts, and what
@@ -312,6 +313,10 @@ class StoreJob:
         self.host_copies: list[tuple[int, int, ChunkCopy]] = []
         # CUDA: runs of slots with their block ids on the device, and chunks copied alone.
         self._cuda_plan: tuple[list[tuple[SlotRun, torch.Tensor]], list[int]] | None = None
+        # The chunks with a slot, and the slots: their check values are taken per layer.
+        self._held = [(idx, slot) for idx, slot in enumerate(slots) if slot is not None]
+        # CUDA: per layer, its slots' check values once its copy landed (a hash thread's).
+        self.layer_sums: list[Future | None] = [None] * n_layers
 
     def submit_layer(self, layer: int) -> None:
         """Queue ``layer``'s copy-out on the save thread, after the compute issued so far."""
@@ -344,16 +349,19 @@ class StoreJob:
         return error
 
     def wait_copied(self) -> None:
-        """CUDA: wait for the DMA copies, then take the check values from the host copies
-        (one batched sampling op per layer and run of slots). CPU: already done."""
+        """CUDA: wait for the DMA copies and the check values their hash threads took (a
+        layer's were taken as soon as its copy landed, beside the next layers' compute).
+        CPU: already done."""
         e = self.engine
         if not e.cuda:
             return
-        for ev in self.events:
+        for ev in self.events:  # spill buffers' copies too (they have no check values)
             e.wait_host(ev)
-        held = {idx: slot for idx, slot in enumerate(self.slots) if slot is not None}
+        slots = [slot for _, slot in self._held]
         for layer in range(e.n_layers):
-            for idx, value in zip(held, e.layer_sums(layer, list(held.values())), strict=True):
+            fut = self.layer_sums[layer]
+            values = fut.result() if fut is not None else e.layer_sums(layer, slots)
+            for (idx, _), value in zip(self._held, values, strict=True):
                 self.sums[idx][layer] = value
 
     def gather_layer(self, layer: int, ready: object) -> None:
@@ -374,6 +382,10 @@ class StoreJob:
                 item = self.items[idx]
                 dst = self.target(idx, layer).narrow(0, 0, len(item.blocks))
                 self.events[layer] = e.gather_async(layer, [b for _, b in item.blocks], ready, dst)
+            if self._held and e.settings.l1_checksum != "off":
+                # The save stream runs in order: this layer's last event covers all its copies.
+                slots = [slot for _, slot in self._held]
+                self.layer_sums[layer] = e.submit_layer_sums(layer, slots, self.events[layer])
             return
         per_chunk = e.hash_per_chunk()
         moves: list[Move] = []
@@ -392,8 +404,8 @@ class StoreJob:
         e.gather_rows(layer, moves)
         if per_chunk:
             return  # the slots' copies and check values: run_host_copies
-        held = {idx: slot for idx, slot in enumerate(self.slots) if slot is not None}
-        for idx, value in zip(held, e.layer_sums(layer, list(held.values())), strict=True):
+        values = e.layer_sums(layer, [slot for _, slot in self._held])
+        for (idx, _), value in zip(self._held, values, strict=True):
             self.sums[idx][layer] = value
 
     def run_host_copies(self) -> None:
@@ -423,6 +435,12 @@ class StoreJob:
                 self.engine.wait_host(ev)
             except Exception:
                 pass
+        for fut in self.layer_sums:  # a hash thread may still read the slots
+            if fut is not None:
+                try:
+                    fut.result()
+                except Exception:
+                    pass
         for slot in self.slots:
             if slot is not None:
                 self.engine.slab.unref(slot)  # type: ignore[union-attr]

@@ -4,12 +4,17 @@ fail a damaged chunk."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
 import torch
 
 from kvcache import codec
 from kvcache.config import KVCacheSettings
 from kvcache.metadata import ChunkTransfer
+from kvcache.transfer import HostCopier, PagedLayout
 from kvcache.transfer_engine import TransferEngine
 from kvcache.transfer_jobs import L1Chunk, LoadJob, StoreJob
 
@@ -29,11 +34,55 @@ class _DictStore:
         return self.records.get(key)
 
 
-def _engine(l2: _DictStore | None = None, **extra: object) -> tuple[TransferEngine, list[torch.Tensor]]:
+class LateCopier(HostCopier):
+    """The CUDA copier's contract on the CPU: copies are queued in order on one thread of
+    their own (a side stream) and land later; an event is a future that is done when its copy
+    is. The jobs' asynchronous (CUDA) path runs on it here: what reads a slot before its copy's
+    event is done sees the slot's old bytes. A copy lands ``delay_s`` after it is queued, or,
+    with ``gate``, once the test releases it (one ``gate.release()`` per copy)."""
+
+    asynchronous = True
+
+    def __init__(self, delay_s: float = 0.0, gate: threading.Semaphore | None = None) -> None:
+        self.delay_s = delay_s
+        self.gate = gate
+        self.stream = ThreadPoolExecutor(1, thread_name_prefix="late-copier")
+
+    def device_ids(self, block_ids: list[int], save: bool) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long)
+
+    def _later(self, copy) -> Future:
+        def run() -> None:
+            if self.gate is not None:
+                self.gate.acquire()
+            else:
+                time.sleep(self.delay_s)
+            copy()
+
+        return self.stream.submit(run)
+
+    def gather_async(self, kv, layout: PagedLayout, block_ids, ready, host: torch.Tensor) -> Future:
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        return self._later(lambda: host.copy_(kv.index_select(layout.block_dim, ids)))
+
+    def scatter_async(self, kv, layout: PagedLayout, block_ids, src: torch.Tensor, ready) -> Future:
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        return self._later(lambda: kv.index_copy_(layout.block_dim, ids, src.clone()))
+
+    def wait_host(self, event: Future | None) -> None:
+        if event is not None:
+            event.result()
+
+    wait_device = wait_host  # the "device" is this host
+
+
+def _engine(
+    l2: _DictStore | None = None, copier: HostCopier | None = None, **extra: object
+) -> tuple[TransferEngine, list[torch.Tensor]]:
     settings = KVCacheSettings.from_extra({"chunk_tokens": 2 * BS, **extra})
     engine = TransferEngine(settings, "ns", 0, l2)  # type: ignore[arg-type]
     kv = [torch.randn(BLOCKS, HEADS, BS, DIM2) + i for i in range(LAYERS)]
-    engine.register(kv, BLOCKS, BS, list(range(LAYERS)))
+    engine.register(kv, BLOCKS, BS, list(range(LAYERS)), copier=copier)
     return engine, kv
 
 
@@ -57,13 +106,15 @@ def _store(engine: TransferEngine, kv: list[torch.Tensor]) -> tuple[StoreJob, li
     return job, [L1Chunk(slot, job.sums[i]) for i, slot in enumerate(slots) if slot is not None]
 
 
+@pytest.mark.parametrize("copier", ["host", "late"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("l1_checksum", ["full", "sampled"])
 def test_a_store_job_then_load_jobs_move_the_bytes_and_a_damaged_slot_fails(
-    l1_checksum: str, threads: int, monkeypatch: pytest.MonkeyPatch
+    l1_checksum: str, threads: int, copier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("kvcache.transfer_engine.host_threads", lambda: threads)
-    engine, kv = _engine(l1_checksum=l1_checksum)
+    monkeypatch.setattr("kvcache.transfer_engine.hash_threads", lambda: threads)
+    engine, kv = _engine(copier=LateCopier(0.002) if copier == "late" else None, l1_checksum=l1_checksum)
     _, chunks = _store(engine, kv)
     # Load both into other blocks, a's block 0 skipped (as if vLLM held it), layer by layer.
     loads = [ChunkTransfer("a", [(1, 12)]), ChunkTransfer("b", [(0, 13), (1, 14)])]
@@ -82,6 +133,48 @@ def test_a_store_job_then_load_jobs_move_the_bytes_and_a_damaged_slot_fails(
     job.finish()  # no per-layer waits came: finish completes every layer
     assert job.failed == [False, True] and job.reasons == ["", "integrity"]
     assert all(torch.equal(t[10], t[3]) for t in kv)
+    engine.shutdown()
+
+
+def test_asynchronous_saves_hash_each_layer_after_its_copy_lands_and_before_the_barrier() -> None:
+    """The per-layer save path (what a CUDA save runs): each layer's copies land late, on their
+    own thread, one at a time as the test lets them. A layer's check values must be of the
+    bytes that landed (a hash taken before the copy's event would be of the slot's old bytes:
+    the fault between copy and hash), taken on a hash thread as soon as that layer landed,
+    while later layers are still in flight, not all at the barrier."""
+    gate = threading.Semaphore(0)
+    engine, kv = _engine(copier=LateCopier(gate=gate), l1_checksum="full")
+    assert engine.slab is not None
+    before = [t.clone() for t in kv]
+    slots = [engine.slab.alloc(engine.chunk_key(item.chunk_hash)) for item in SAVES]
+    for slot in slots:  # stale bytes in the slots: what a hash taken too early would see
+        for layer in range(LAYERS):
+            engine.slab.view(slot, layer).fill_(7.0)
+    hashed: list[tuple[int, str]] = []
+    sums_of = engine.layer_sums
+
+    def recorded(layer: int, held: list[int]) -> list[int | None]:
+        hashed.append((layer, threading.current_thread().name))
+        return sums_of(layer, held)
+
+    engine.layer_sums = recorded  # type: ignore[method-assign]
+    job = StoreJob(engine, SAVES, slots, spill=False)
+    for layer in range(LAYERS):
+        job.submit_layer(layer)
+    assert job.finish() is None  # every copy queued, none landed: nothing hashed yet
+    assert hashed == []
+    gate.release()  # SAVES sit in consecutive slots: one copy per layer; layer 0's lands
+    job.layer_sums[0].result()
+    assert [layer for layer, _ in hashed] == [0]  # layers 1 and 2 wait for their copies
+    assert hashed[0][1].startswith("kvcache-hash"), hashed  # not the compute thread
+    gate.release(LAYERS - 1)
+    job.wait_copied()
+    assert sorted(layer for layer, _ in hashed) == list(range(LAYERS))
+    for idx, (item, slot) in enumerate(zip(SAVES, slots, strict=True)):
+        for layer in range(LAYERS):
+            view = engine.slab.view(slot, layer)
+            assert torch.equal(view, before[layer][[b for _, b in item.blocks]])
+            assert job.sums[idx][layer] == codec.checksum(view)  # of the landed bytes, not the 7s
     engine.shutdown()
 
 
