@@ -113,18 +113,18 @@ images: system-packages
 
 # The environments and the images are independent (pip beside podman builds that mostly wait on
 # the network): built side by side. The nightly-eval model trains on one core for ~5 minutes, and
-# only the nightly-eval tests use it: it trains beside the tests that must run alone (the serial
-# pass: one vLLM server at a time, about one core busy), which takes about as long and leaves the
-# other core to it; the two-worker pass then has both cores (docs/testing.md, "How make test
-# spends its time"). A test that needs the model waits on its lock (train_eval_model.py). Then
-# the kvcache suite.
+# only the nightly-eval tests use it: it trains beside the suite's parallel pass instead of
+# before it (a test that needs it waits on its lock, train_eval_model.py). Not beside the serial
+# pass: its tests' outcome depends on the server's load (a clean-clone run with it there,
+# 2026-12-05, doubled the deadline-order test and found no request queued where one should be).
+# Then the tests that must run alone, then the kvcache suite.
 test:
 	$(MAKE) -j2 setup images
 	$(VENV)/bin/python -m tests.starts reset
 	$(VENV)/bin/python -m tests.durations reset
 	$(MAKE) lint
-	$(MAKE) -j2 eval-model test-serial
-	$(MAKE) test-parallel test-inference
+	$(MAKE) -j2 eval-model test-parallel
+	$(MAKE) test-serial test-inference
 	@$(VENV)/bin/python -m tests.starts
 
 # Fold the last `make test`'s per-file durations into tests/durations.json (commit it): the
@@ -149,9 +149,9 @@ test-fast: $(VENV)/.installed $(IVENV)/.installed
 # xdist would otherwise replace by the number of tests per file). Much of an e2e test waits on
 # Airflow's scheduling and on vLLM: with two workers the cores idled a third of the pass's last
 # ten minutes (vmstat, clean-clone run of 1547e36), which a third worker fills. Tests marked
-# `serial` (their outcome depends on the server's load) run alone, before (`make test`).
+# `serial` (their outcome depends on the server's load) run alone, after.
 test-orchestrator:
-	$(MAKE) test-serial test-parallel
+	$(MAKE) test-parallel test-serial
 
 test-parallel: setup
 	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 3 --dist loadfile --no-loadscope-reorder \

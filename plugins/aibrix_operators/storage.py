@@ -19,12 +19,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
+
 MULTIPART_PART_BYTES = 8 * 1024 * 1024
 READ_BUFFER_BYTES = 1024 * 1024
 
 
-class StorageError(Exception):
+class StorageError(CodedFailure):
     """A storage operation failed; the message names the URI and the cause."""
+
+    error_code, retryable = BatchFailure.STORAGE_ERROR, True
 
 
 class Storage(Protocol):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.storage import StorageError, has_control_characters, split_s3_uri
 
 # Stands for "no aws_conn_id": boto3's default chain, the worker's own credentials.
@@ -40,8 +41,10 @@ LOOPBACK_ENDPOINTS = ("http://127.0.0.1:*", "http://localhost:*", "http://[::1]:
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-class TrustViolation(Exception):
+class TrustViolation(CodedFailure):
     """A trigger asked for something the deployment's allow-list does not grant."""
+
+    error_code, retryable = BatchFailure.REFUSED_BY_POLICY, False
 
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(f"refused by the allow-list rule {rule}: {message}")

@@ -55,28 +55,41 @@ async def _timed(session: aiohttp.ClientSession, url: str, body: dict, t0: float
         return r.status, time.monotonic() - t0
 
 
+async def _queue(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """(running, waiting) requests, as the server reports them."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    count = {"vllm:num_requests_running{": 0.0, "vllm:num_requests_waiting{": 0.0}
+    for line in text.splitlines():
+        for name in count:
+            if line.startswith(name):
+                count[name] += float(line.rsplit(" ", 1)[1])
+    return count["vllm:num_requests_running{"], count["vllm:num_requests_waiting{"]
+
+
 async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
     vllm_priority: VLLMServer,
 ) -> None:
     url = vllm_priority.base_url
     async with aiohttp.ClientSession() as session:
         t0 = time.monotonic()
-        # 256 tokens each: the first two run ~1 s even warm (96-token ones had ended at 0.70 s in
-        # a clean-clone run, before the online requests got there), so the online requests sent
-        # at 0.3 s arrive while four batch requests wait.
-        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 256, priority=10), t0))
+        # 512 tokens each: the first two run for seconds, so the queue below stays put while the
+        # online requests are sent.
+        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 512, priority=10), t0))
                  for i in range(6)]
-        await asyncio.sleep(0.3)  # two batch requests run, four wait in the server's queue
-        # Sent before the scrape below, not after it: a /metrics scrape can take a second on a
-        # loaded machine, and online requests sent after one had arrived too late (2026-12-05).
+        # The online requests go once the server reports two batch requests running and four
+        # waiting: a condition, not a clock (a fixed 0.3 s sleep found none queued yet beside
+        # the nightly-eval training, 2026-12-05: the server had not admitted them by then).
+        deadline = time.monotonic() + 60
+        seen = await _queue(session, url)
+        while seen != (MAX_NUM_SEQS, 6 - MAX_NUM_SEQS):
+            assert time.monotonic() < deadline, f"(running, waiting) {seen}, want (2, 4), after 60 s"
+            await asyncio.sleep(0.05)
+            seen = await _queue(session, url)
         online = [asyncio.create_task(_timed(session, url, _completion(f"online {i}", 4), t0))
                   for i in range(2)]
-        async with session.get(url + "/metrics") as r:
-            waiting = sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
-                          if line.startswith("vllm:num_requests_waiting{"))
         batch_done = await asyncio.gather(*batch)
         online_done = await asyncio.gather(*online)
-    assert waiting >= 1, "the server should hold batch requests in its queue"  # server-reported
     assert all(status == 200 for status, _ in batch_done + online_done)
     finished = sorted(t for _, t in batch_done)
     # Both online requests were admitted ahead of the queued batch ones: they end before the

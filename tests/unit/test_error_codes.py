@@ -67,3 +67,45 @@ def test_the_docs_table_lists_every_code_and_only_real_ones() -> None:
     documented = dict(rows)
     assert len(rows) == len(documented)  # each code once
     assert documented == CODES
+
+
+# The failure types a step can raise, by where they live: each says its code and whether a retry
+# helps (CodedFailure), read by step_errors and dispatch. A new one joins this list.
+CODED = {
+    "aibrix_operators.driver.preflight": {"EndpointUnavailable": ("endpoint_unavailable", True),
+                                          "ModelNotServed": ("model_not_served", False),
+                                          "SharedModeRefused": ("capacity_mode_refused", False)},
+    "aibrix_operators.capacity.mode": {"CapacityRefused": ("capacity_mode_refused", False)},
+    "aibrix_operators.driver.health": {"EndpointOutage": ("endpoint_unavailable", True)},
+    "aibrix_operators.driver.checkpoint": {"CheckpointWriteFailed": ("storage_error", True)},
+    "aibrix_operators.storage": {"StorageError": ("storage_error", True)},
+    "aibrix_operators.batch.shard_answers": {"ExactlyOnceViolation": ("exactly_once_violation", False)},
+    "aibrix_operators.driver.runner": {"ShardChanged": ("input_changed", False)},
+    "aibrix_operators.trust": {"TrustViolation": ("refused_by_policy", False)},
+    "aibrix_operators.lora.serving": {"AdapterLoadFailed": ("adapter_load_failed", False),
+                                      "AdapterServerUnreachable": ("endpoint_unavailable", True),
+                                      "AdapterStoreUnavailable": ("storage_error", True)},
+    "aibrix_operators.lora.registry": {"AdapterRegistryError": ("invalid_adapter_registry", False)},
+}
+
+
+def test_each_failure_type_carries_its_code_and_whether_a_retry_helps() -> None:
+    import importlib
+
+    from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
+    from aibrix_operators.operators.step_errors import step_error_code
+
+    for module, classes in CODED.items():
+        mod = importlib.import_module(module)
+        for name, (code, retryable) in classes.items():
+            cls = getattr(mod, name)
+            assert issubclass(cls, CodedFailure), name
+            assert (cls.error_code, cls.retryable) == (BatchFailure(code), retryable), name
+            exc = cls.__new__(cls)  # the code is the class's, whatever its constructor takes
+            try:
+                raise RuntimeError("a step's wrapper") from exc
+            except RuntimeError as outer:
+                assert step_error_code(outer, "dispatch") == code, name  # found along the cause chain
+    # No table of class names is left: step_errors reads the classes themselves.
+    source = (REPO / "plugins/aibrix_operators/operators/step_errors.py").read_text()
+    assert not any(name in source for classes in CODED.values() for name in classes)

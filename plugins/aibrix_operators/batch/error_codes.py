@@ -182,6 +182,18 @@ class BatchFailure(StrEnum):
 ALL_CODES: tuple[type[StrEnum], ...] = (RequestError, ValidationCode, BatchFailure)
 
 
+class CodedFailure(Exception):
+    """A failure that says, itself, the code a batch's user sees for it and whether trying the
+    step again can help: the failure table is these attributes of its subclasses, one place per
+    failure type. The operators' step errors (``operators/step_errors.py``) take the code from
+    the first coded failure along an exception's cause chain, and dispatch lets Airflow retry
+    only a retryable one (``operators/dispatch.py``). A subclass sets both as class attributes
+    (or, like ``DriverPodFailure``, per instance)."""
+
+    error_code: str  # a BatchFailure value
+    retryable: bool
+
+
 def http_code(status: int) -> str:
     """The error line's code for an HTTP error whose body names no code or type of its own."""
     return f"http_{status}"

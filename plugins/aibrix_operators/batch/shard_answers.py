@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.records import Usage
 from aibrix_operators.batch.sharding import ShardSpec
@@ -24,8 +25,10 @@ from aibrix_operators.storage import Storage
 log = logging.getLogger(__name__)
 
 
-class ExactlyOnceViolation(Exception):
+class ExactlyOnceViolation(CodedFailure):
     """The results do not answer every request exactly once."""
+
+    error_code, retryable = BatchFailure.EXACTLY_ONCE_VIOLATION, False
 
 
 @dataclass

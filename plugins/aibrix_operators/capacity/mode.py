@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.trust import endpoint_matches
 
 SHARED = "shared"
@@ -22,8 +23,10 @@ MODES = ("", SHARED, DEDICATED)  # "": the deployment's mode for the endpoint
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
-class CapacityRefused(ValueError):
+class CapacityRefused(CodedFailure, ValueError):
     """A trigger's or the deployment's capacity setting that cannot apply; says which and why."""
+
+    error_code, retryable = BatchFailure.CAPACITY_MODE_REFUSED, False
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,17 @@ import asyncio
 import logging
 import time
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.batch.shard_results import ResultLog
 from aibrix_operators.driver.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointWriteFailed(Exception):
+class CheckpointWriteFailed(CodedFailure):
     """Results could not be made durable in time; unrecorded requests are sent again on retry."""
+
+    error_code, retryable = BatchFailure.STORAGE_ERROR, True
 
 
 class CheckpointWriter:

@@ -22,11 +22,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
+
 log = logging.getLogger(__name__)
 
 
-class EndpointOutage(Exception):
+class EndpointOutage(CodedFailure):
     """The endpoint gave no answer for longer than the outage budget; nothing unanswered was recorded."""
+
+    error_code, retryable = BatchFailure.ENDPOINT_UNAVAILABLE, True
 
 
 class EndpointHealth:

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.batch.jsonfast import dumps, loads
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.serving.scheduling_policy import HEADER as POLICY_HEADER
@@ -22,16 +23,22 @@ from aibrix_operators.serving.scheduling_policy import MIDDLEWARE as POLICY_MIDD
 log = logging.getLogger(__name__)
 
 
-class EndpointUnavailable(Exception):
+class EndpointUnavailable(CodedFailure):
     """The server could not be reached in time — nothing was sent; a task retry may help."""
 
+    error_code, retryable = BatchFailure.ENDPOINT_UNAVAILABLE, True
 
-class ModelNotServed(Exception):
+
+class ModelNotServed(CodedFailure):
     """The server is up but does not serve the batch's model (retrying will not help)."""
+
+    error_code, retryable = BatchFailure.MODEL_NOT_SERVED, False
 
 
 class SharedModeRefused(ModelNotServed):
     """Shared mode against a server that does not schedule by priority (retrying will not help)."""
+
+    error_code = BatchFailure.CAPACITY_MODE_REFUSED
 
 
 async def _list_models(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, Any] | None, str | None]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from aibrix_operators.batch.error_codes import RequestError, http_code
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure, RequestError, http_code
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
 from aibrix_operators.batch.records import Usage, error_record, success_record
@@ -63,8 +63,10 @@ def _capacity_detail(counters: _Counters) -> str:
     return "" if counters.capacity is None else " " + counters.capacity.describe()
 
 
-class ShardChanged(Exception):
+class ShardChanged(CodedFailure):
     """The shard does not hold the requests the task was planned for."""
+
+    error_code, retryable = BatchFailure.INPUT_CHANGED, False
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from aibrix_operators.batch.error_codes import BatchFailure
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.driver_pods.spec import CONTAINER_NAME
 
 # Exit codes of ``python -m aibrix_operators.driver.cli`` (see its --help):
@@ -56,8 +56,9 @@ _CONFIG = ("CreateContainerConfigError", "CreateContainerError")
 OUTCOME_KEYS = frozenset({"total", "completed", "failed"})
 
 
-class DriverPodFailure(Exception):
-    """A driver pod that did not finish its shard; ``error_code`` goes into batch.json."""
+class DriverPodFailure(CodedFailure):
+    """A driver pod that did not finish its shard; ``error_code`` goes into batch.json. Its code
+    and retryability depend on how the pod ended, so they are set per instance."""
 
     def __init__(self, error_code: str, message: str, retryable: bool) -> None:
         super().__init__(message)

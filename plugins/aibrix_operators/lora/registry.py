@@ -24,13 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
+
 # vLLM's lora_name and a folder name of the cache: no separators, no dot-only names.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-class AdapterRegistryError(ValueError):
+class AdapterRegistryError(CodedFailure, ValueError):
     """The registry file is unusable; the message names the entry and the key."""
+
+    error_code, retryable = BatchFailure.INVALID_ADAPTER_REGISTRY, False
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.lora.registry import Adapter
 from aibrix_operators.router.admin import TOKEN_HEADER
 from aibrix_operators.serving.model_fetch import EXIT_STORE, FetchError, FetchOptions, fetch_model
@@ -41,16 +42,22 @@ RUNTIME_LORA_HINT = ("start vLLM with --enable-lora (and --max-lora-rank / --max
                      "adapters) and the environment VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
 
 
-class AdapterLoadFailed(Exception):
+class AdapterLoadFailed(CodedFailure):
     """The adapter could not be made present on the server; the shard cannot run."""
 
+    error_code, retryable = BatchFailure.ADAPTER_LOAD_FAILED, False
 
-class AdapterServerUnreachable(Exception):
+
+class AdapterServerUnreachable(CodedFailure):
     """The server did not answer the load: an outage, which a retry of the task may outlast."""
 
+    error_code, retryable = BatchFailure.ENDPOINT_UNAVAILABLE, True
 
-class AdapterStoreUnavailable(Exception):
+
+class AdapterStoreUnavailable(CodedFailure):
     """The adapter store refused or could not be reached: an outage, retried like one."""
+
+    error_code, retryable = BatchFailure.STORAGE_ERROR, True
 
 
 def adapter_dir(cache_dir: Path, adapter: Adapter) -> Path:

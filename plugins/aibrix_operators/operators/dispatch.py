@@ -14,11 +14,12 @@ import asyncio
 import gc
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from aibrix_operators.batch.error_codes import CodedFailure
 from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, work_prefix
 from aibrix_operators.batch.job_pool import JobPool
 from aibrix_operators.batch.shard_results import results_prefix
@@ -81,7 +82,7 @@ class LocalShardExecutor:
         try:
             return asyncio.run(preflight_then_run())
         except ModelNotServed as exc:
-            raise AirflowFailException(str(exc)) from exc
+            raise_failure(exc)
         finally:
             gc.unfreeze()
             release_freed_memory()
@@ -133,8 +134,9 @@ def _raise_for(call: Any, *args: Any) -> Any:
         raise_failure(failure)
 
 
-def raise_failure(failure: DriverPodFailure) -> None:
-    """Retryable failures get Airflow's retries; the others fail the task at once."""
+def raise_failure(failure: CodedFailure) -> NoReturn:
+    """Retryable failures get Airflow's retries; the others fail the task at once (the failure
+    says which: ``CodedFailure.retryable``)."""
     kind = AirflowException if failure.retryable else AirflowFailException
     raise kind(str(failure)) from failure
 

@@ -13,42 +13,23 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from aibrix_operators.batch.error_codes import BatchFailure
+from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.batch.failures import one_line
 
 STEP_ERROR_KEY = "step_error"
-# Exception class names (matched by name along the cause chain, so this module needs
-# none of the modules that define them) → the code a user sees in batch.json.
-_CODES = {
-    "SharedModeRefused": BatchFailure.CAPACITY_MODE_REFUSED,
-    "CapacityRefused": BatchFailure.CAPACITY_MODE_REFUSED,
-    "ModelNotServed": BatchFailure.MODEL_NOT_SERVED,
-    "EndpointUnavailable": BatchFailure.ENDPOINT_UNAVAILABLE,
-    "EndpointOutage": BatchFailure.ENDPOINT_UNAVAILABLE,
-    "CheckpointWriteFailed": BatchFailure.STORAGE_ERROR,
-    "StorageError": BatchFailure.STORAGE_ERROR,
-    "ExactlyOnceViolation": BatchFailure.EXACTLY_ONCE_VIOLATION,
-    "ShardChanged": BatchFailure.INPUT_CHANGED,
-    "TrustViolation": BatchFailure.REFUSED_BY_POLICY,
-    "AdapterLoadFailed": BatchFailure.ADAPTER_LOAD_FAILED,
-    "AdapterServerUnreachable": BatchFailure.ENDPOINT_UNAVAILABLE,
-    "AdapterStoreUnavailable": BatchFailure.STORAGE_ERROR,
-    "AdapterRegistryError": BatchFailure.INVALID_ADAPTER_REGISTRY,
-}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def step_error_code(exc: BaseException, step: str) -> str:
+    """The code of the first failure along the cause chain that says its own (``CodedFailure``:
+    the failure table is its subclasses), else ``<step>_failed``."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if isinstance(getattr(cur, "error_code", None), str):  # e.g. DriverPodFailure: says its own code
-            return cur.error_code  # type: ignore[union-attr]
-        for cls in type(cur).__mro__:
-            if cls.__name__ in _CODES:
-                return _CODES[cls.__name__]
+        if isinstance(cur, CodedFailure):
+            return cur.error_code
         cur = cur.__cause__ or cur.__context__
     return step_failed_code(step)
 
