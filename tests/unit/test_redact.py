@@ -8,7 +8,7 @@ import socket
 import aiohttp
 import pytest
 
-from aibrix_operators.driver.runner import _describe, _expired, _Failure
+from aibrix_operators.driver.answers import Failure, describe, expired_line
 from aibrix_operators.redact import INTERNAL, scrub_addresses, scrub_json
 
 
@@ -57,7 +57,7 @@ async def _connector_error() -> BaseException:
 def test_an_expired_line_names_the_last_failure_without_its_address() -> None:
     exc = asyncio.run(_connector_error())
     assert "localhost" in str(exc) or "127.0.0.1" in str(exc)  # what aiohttp itself says
-    line = _expired("req-1", _Failure("connection_error", _describe(exc)))
+    line = expired_line("req-1", Failure("connection_error", describe(exc)))
     message = line["error"]["message"]
     assert message.startswith("the batch's completion window ended") and type(exc).__name__ in message
     assert "localhost" not in message and "127.0.0.1" not in message, message

@@ -5,6 +5,7 @@ slim driver pod (Kubernetes mode) alike.
 """
 
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.runner import ShardOutcome, run_shard
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.driver.shard_outcome import ShardOutcome
 
 __all__ = ["DriverConfig", "ShardOutcome", "run_shard"]

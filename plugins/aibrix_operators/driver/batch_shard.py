@@ -12,7 +12,8 @@ from aibrix_operators.batch.job import cancel_marker_uri
 from aibrix_operators.batch.shard_results import results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.runner import ShardOutcome, run_shard
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.driver.shard_outcome import ShardOutcome
 from aibrix_operators.storage import Storage
 
 

@@ -52,7 +52,8 @@ from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
 from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
 from aibrix_operators.driver.preflight import EndpointUnavailable, ModelNotServed, check_endpoint
-from aibrix_operators.driver.runner import ShardChanged, ShardOutcome, run_shard
+from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.driver.shard_outcome import ShardChanged, ShardOutcome
 from aibrix_operators.storage import StorageError, storage_for
 
 EXIT_OK = 0

@@ -13,22 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 
-from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure, RequestError, http_code
+from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.grouped_split import lines_uri
-from aibrix_operators.batch.jsonfast import JSONDecodeError, dumps, loads
-from aibrix_operators.batch.records import Usage, error_record, success_record
+from aibrix_operators.batch.jsonfast import dumps, loads
+from aibrix_operators.batch.records import Usage, error_record
 from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard
 from aibrix_operators.capacity import controller as shared_capacity
 from aibrix_operators.capacity.controller import EndpointController, ShardDemand
+from aibrix_operators.driver.answers import (
+    Failure,
+    cancelled_line,
+    classify,
+    expired_line,
+    stopped_line,
+    transport_failure,
+)
 from aibrix_operators.driver.cache_salt import salted_body
 from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
@@ -41,14 +46,9 @@ from aibrix_operators.driver.priority import DEDICATED_PRIORITY, prioritized_bod
 from aibrix_operators.driver.progress import ProgressReporter
 from aibrix_operators.driver.retry import (
     backoff_delay,
-    exception_code,
-    is_backpressure_status,
-    is_retryable_exception,
-    is_retryable_status,
-    parse_retry_after,
 )
+from aibrix_operators.driver.shard_outcome import ShardChanged, ShardOutcome
 from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate, prefix_hashes
-from aibrix_operators.redact import scrub_addresses, scrub_json
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -61,35 +61,6 @@ SHED_STATUS = frozenset({429, 503})
 
 def _capacity_detail(counters: _Counters) -> str:
     return "" if counters.capacity is None else " " + counters.capacity.describe()
-
-
-class ShardChanged(CodedFailure):
-    """The shard does not hold the requests the task was planned for."""
-
-    error_code, retryable = BatchFailure.INPUT_CHANGED, False
-
-
-@dataclass
-class ShardOutcome:
-    """What one driver run did; it lands in XCom, so only plain types."""
-
-    shard: str
-    total: int
-    resumed: int = 0  # answered by an earlier, interrupted run
-    resumed_failed: int = 0  # of those, answered with an error line
-    completed: int = 0
-    failed: int = 0
-    retries: int = 0
-    elapsed_s: float = 0.0
-    usage: dict[str, Any] = field(default_factory=dict)
-    attempt_id: str = ""
-    outages: int = 0  # times the breaker paused the shard
-    paused_s: float = 0.0
-    checkpoint_write_retries: int = 0
-    cancelled: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Counters:
@@ -343,24 +314,6 @@ async def _gated_worker(
         _keep_answer(record, line, counters, result_log)
 
 
-@dataclass
-class _Failure:
-    """An attempt that may succeed if tried again; becomes an error line only if it is the request's."""
-
-    code: str
-    message: str
-    status: int | None = None
-    request_id: str | None = None
-    body: Any = None
-    retry_after: float | None = None
-    backpressure: bool = False  # 408/429: the server is fine and asks us to wait
-
-    def as_record(self, custom_id: str, attempts: int) -> dict[str, Any]:
-        suffix = f" (after {attempts} attempt{'s' * (attempts > 1)})"
-        return error_record(custom_id, self.code, self.message + suffix, self.status, self.request_id,
-                            self.body)
-
-
 class _Sender:
     def __init__(
         self, session: aiohttp.ClientSession, config: DriverConfig, counters: _Counters,
@@ -388,17 +341,17 @@ class _Sender:
         cfg, health, limiter = self.config, self.health, self.limiter
         charged = 0  # failed attempts charged to this request
         attempts = 0
-        last: _Failure | None = None
+        last: Failure | None = None
         while True:
             # The hot path is two attribute checks; the waits are only for the rare cases.
             if self.cancel.cancelled:
-                return _cancelled(custom_id, last)
+                return cancelled_line(custom_id, last)
             if health.is_open and not await self._wait_for_endpoint():
-                return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
+                return stopped_line(custom_id, last, self.cancel.cancelled)
             if cfg.deadline is not None and time.time() >= cfg.deadline:
-                return _expired(custom_id, last)
+                return expired_line(custom_id, last)
             if limiter is not None and not limiter.try_acquire() and not await self._wait_for_permit():
-                return _cancelled(custom_id, last) if self.cancel.cancelled else _expired(custom_id, last)
+                return stopped_line(custom_id, last, self.cancel.cancelled)
             attempts += 1
             # The request inline, not in a helper coroutine: this runs once per request. A
             # redirect is the endpoint's answer, never a place to send the body (and the key).
@@ -406,13 +359,13 @@ class _Sender:
                 try:
                     async with self.session.post(url, data=payload, allow_redirects=False) as resp:
                         raw = await resp.read()
-                        result = self._classify(custom_id, resp.status, raw, resp.headers)
+                        result = classify(custom_id, resp.status, raw, resp.headers, self.counters.usage)
                 except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
-                    result = _transport_failure(custom_id, exc)
+                    result = transport_failure(custom_id, exc)
             else:
                 result = await self._shared_attempt(custom_id, url, payload)
                 if result is None:  # withdrawn for online traffic: send it again, uncharged
-                    last = _Failure(RequestError.PREEMPTED_FOR_ONLINE, "withdrawn for online traffic",
+                    last = Failure(RequestError.PREEMPTED_FOR_ONLINE, "withdrawn for online traffic",
                                     backpressure=True)
                     self.counters.retries += 1
                     continue
@@ -461,7 +414,7 @@ class _Sender:
 
     async def _shared_attempt(
         self, custom_id: str, url: str, payload: bytes
-    ) -> dict[str, Any] | _Failure | None:
+    ) -> dict[str, Any] | Failure | None:
         """One attempt holding a permit, which the controller can take back (``None``).
 
         The attempt runs in this worker's own task, which the limiter tracks and may cancel;
@@ -485,13 +438,13 @@ class _Sender:
             limiter.untrack(task)
             limiter.release()
 
-    async def _post(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | _Failure:
+    async def _post(self, custom_id: str, url: str, payload: bytes) -> dict[str, Any] | Failure:
         try:
             async with self.session.post(url, data=payload, allow_redirects=False) as resp:
                 raw = await resp.read()
-                return self._classify(custom_id, resp.status, raw, resp.headers)
+                return classify(custom_id, resp.status, raw, resp.headers, self.counters.usage)
         except Exception as exc:  # noqa: BLE001 - classified by _transport_failure
-            return _transport_failure(custom_id, exc)
+            return transport_failure(custom_id, exc)
 
     async def _wait_for_permit(self) -> bool:
         """Shared mode, no permit free: queue for one (earliest deadline first); ``False`` when
@@ -526,129 +479,3 @@ class _Sender:
         if self.config.deadline is None:
             return None
         return max(self.config.deadline - time.time(), 0.0)
-
-    def _classify(
-        self, custom_id: str, status: int, raw: bytes, headers: Any
-    ) -> dict[str, Any] | _Failure:
-        """One HTTP answer as a result line, or as a failure worth another attempt."""
-        request_id = headers.get("x-request-id")
-        if 200 <= status < 300:
-            try:
-                body = loads(raw)
-            except JSONDecodeError:
-                body = None
-            if not isinstance(body, dict):
-                # A proxy's page or a half-written answer: the infrastructure's, worth a retry.
-                return _Failure(
-                    RequestError.INVALID_RESPONSE_BODY,
-                    f"server answered {status} with a body that is not a JSON object: {raw[:200]!r}",
-                    status, request_id, raw[:2000].decode("utf-8", "replace"),
-                )
-            self.counters.usage.add_response_body(body)
-            return success_record(custom_id, status, request_id or _body_id(body), body)
-        body = _parse_error_body(raw)
-        if 300 <= status < 400:
-            # Where it points is for the task log only: the error line reaches the submitter
-            # (a Batch API tenant too), who must not learn the deployment's addresses.
-            _log_redirect(status, str(headers.get("location", ""))[:200])
-            return error_record(
-                custom_id, RequestError.ENDPOINT_REDIRECTED,
-                f"the endpoint answered HTTP {status}, a redirect; redirects are not followed (requests "
-                "go only to the allow-listed endpoint): point endpoint at the server that answers "
-                "(the task log names the redirect's target)", status, request_id,
-                scrub_json(body),
-            )  # fmt: skip
-        # A server's error text may name addresses too (a proxy's error page, an upstream it
-        # could not reach): the line goes to the submitter without them.
-        body = scrub_json(body)
-        code, message = _error_of(status, body)
-        if status == 404 and _names_an_unknown_model(body):
-            # Validation lets through only the batch's model and the deployment's adapters of it,
-            # so a server that does not know the model has lost it (restarted without the LoRA
-            # adapters loaded at run time, or replaced): the endpoint's fault. Retried; when the
-            # canary replay gets the same answer the breaker pauses the shard, and past the outage
-            # budget the task fails and its retry loads the adapter again (operators/dispatch.py).
-            return _Failure(RequestError.MODEL_NOT_LOADED, message, status, request_id, body)
-        if is_retryable_status(status):
-            return _Failure(code, message, status, request_id, body,
-                            parse_retry_after(headers.get("retry-after")),
-                            backpressure=is_backpressure_status(status))
-        return error_record(custom_id, code, message, status, request_id, body)
-
-
-def _transport_failure(custom_id: str, exc: BaseException) -> dict[str, Any] | _Failure:
-    if not is_retryable_exception(exc):
-        # Not the network and not the server: a bug or an unsendable body.
-        return error_record(custom_id, exception_code(exc), _describe(exc))
-    return _Failure(exception_code(exc), _describe(exc))
-
-
-def _expired(custom_id: str, last: _Failure | None) -> dict[str, Any]:
-    message = "the batch's completion window ended before this request was answered"
-    if last is not None:
-        message += f"; its last attempt failed with {last.code}: {last.message}"
-    return error_record(custom_id, RequestError.BATCH_EXPIRED, message)
-
-
-def _cancelled(custom_id: str, last: _Failure | None) -> dict[str, Any]:
-    message = "the batch was cancelled before this request was answered"
-    if last is not None:
-        message += f"; its last attempt failed with {last.code}: {last.message}"
-    return error_record(custom_id, RequestError.BATCH_CANCELLED, message)
-
-
-def _describe(exc: BaseException) -> str:
-    """The exception for an error line: its type and text, without the addresses it names
-    (``Cannot connect to host <internal address>``); the task log keeps them."""
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {scrub_addresses(text)}"
-
-
-_redirects_logged: set[tuple[int, str]] = set()
-
-
-def _log_redirect(status: int, location: str) -> None:
-    if (status, location) not in _redirects_logged and len(_redirects_logged) < 100:
-        _redirects_logged.add((status, location))
-        log.warning("the endpoint answered HTTP %s redirecting to %r; not followed", status, location)
-
-
-def _body_id(body: dict[str, Any]) -> str:
-    return body["id"] if isinstance(body.get("id"), str) else f"req-{uuid.uuid4().hex}"
-
-
-def _parse_error_body(raw: bytes) -> Any:
-    try:
-        return loads(raw)
-    except JSONDecodeError:
-        return raw[:2000].decode("utf-8", "replace")
-
-
-def _names_an_unknown_model(body: Any) -> bool:
-    """A 404 that says the model is unknown: OpenAI's ``model_not_found``, or vLLM's
-    ``NotFoundError`` on ``param: model``, or the same without ``param``. vLLM answers the last
-    when the adapter goes between its model check and its adapter lookup (a request that arrived
-    as the adapter was unloaded: 4 of 240 in a suite run turned into error lines that way)."""
-    detail = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(detail, dict):
-        return False
-    if detail.get("code") == "model_not_found":
-        return True
-    if detail.get("type") != "NotFoundError":
-        return False
-    message = str(detail.get("message", ""))
-    return detail.get("param") == "model" or _VLLM_UNKNOWN_MODEL.match(message) is not None
-
-
-_VLLM_UNKNOWN_MODEL = re.compile(r"The model `[^`]*` does not exist")
-
-
-def _error_of(status: int, body: Any) -> tuple[str, str]:
-    """OpenAI-style servers put ``{"error": {"code", "message"}}`` in error bodies; use it."""
-    detail = body.get("error") if isinstance(body, dict) else None
-    if isinstance(detail, dict):
-        code = detail.get("code") or detail.get("type") or http_code(status)
-        message = detail.get("message") or f"HTTP {status}"
-    else:
-        code, message = http_code(status), f"HTTP {status}: {str(body)[:500]}"
-    return str(code)[:200], str(message)[:2000]
