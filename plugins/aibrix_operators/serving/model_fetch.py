@@ -28,13 +28,16 @@ What a vLLM pod's init container runs (k8s overlays, docs/model-delivery.md)::
   message; the exit status says the kind (see ``EXIT_*``).
 
 S3 access is boto3's usual chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as
-``storage.py``.
+``storage.py``. The destination's link-safe folder and file handling and the journal are
+``fetch_dest.py``; reading the manifest and the store's errors, ``fetch_store.py``; the command
+line, ``model_fetch_cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
+__all__ = ["EXIT_FAILED", "EXIT_MISMATCH", "EXIT_MISSING", "EXIT_STORE", "EXIT_USAGE", "JOURNAL",
+           "FetchError", "FetchOptions", "FetchReport", "ModelFetcher", "fetch_model", "s3_client"]
+
 import hashlib
 import json
 import os
@@ -47,35 +50,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aibrix_operators.serving.fetch_dest import (
+    EXIT_FAILED,
+    EXIT_MISMATCH,
+    EXIT_MISSING,
+    EXIT_STORE,
+    EXIT_USAGE,
+    JOURNAL,
+    FetchError,
+    Journal,
+    not_real,
+    open_dir,
+    open_regular,
+    sha256_fd,
+)
+from aibrix_operators.serving.fetch_store import _store_error, read_manifest, s3_client
 from aibrix_operators.serving.model_manifest import (
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     STATE_DIR,
-    ManifestError,
     ManifestFile,
-    parse_manifest,
 )
-from aibrix_operators.storage import StorageError, default_s3_client, split_s3_uri
-
-EXIT_FAILED = 1  # anything else (a local disk error, ...)
-EXIT_USAGE = 2  # bad arguments, or a manifest that is unusable or does not match its pin
-EXIT_MISSING = 3  # an object the manifest lists is not in the store
-EXIT_MISMATCH = 4  # an object's size or sha256 is not the manifest's
-EXIT_STORE = 5  # the store refused or could not be reached (after boto3's retries)
+from aibrix_operators.storage import StorageError, split_s3_uri
 
 DEFAULT_WORKERS = 16
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
-JOURNAL = "verified.jsonl"
-# Kubernetes keeps at most 4096 bytes of a termination message.
-TERMINATION_MESSAGE_BYTES = 4096
-
-
-class FetchError(Exception):
-    """A fetch that cannot complete; ``str()`` is the one-line reason, ``exit_code`` its kind."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -112,184 +110,6 @@ class FetchReport:
                 "mb_per_s": round(mb_s, 1),
             }
         )
-
-
-# ---------------------------------------------------------------------------- the store
-
-
-def s3_client(workers: int) -> Any:
-    from botocore.config import Config
-
-    # One pooled connection per worker, or the workers queue for connections.
-    return default_s3_client(
-        Config(max_pool_connections=workers + 2, retries={"mode": "standard", "max_attempts": 5})
-    )
-
-
-def _store_error(exc: Exception, uri: str, path: str) -> FetchError:
-    from botocore.exceptions import ClientError
-
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", "?"))
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return FetchError(
-                f"{path}: {uri} is missing from the store ({code}); upload it or fix the manifest",
-                EXIT_MISSING,
-            )
-        if code == "InvalidRange":
-            return FetchError(
-                f"{path}: {uri} is smaller than the manifest says; re-upload it or fix the manifest",
-                EXIT_MISMATCH,
-            )
-        return FetchError(f"{path}: cannot read {uri}: {code} {err.get('Message', '')}".rstrip(), EXIT_STORE)
-    return FetchError(f"{path}: cannot read {uri}: {type(exc).__name__}: {exc}", EXIT_STORE)
-
-
-def read_manifest(location: str, client: Any, pin: str | None) -> list[ManifestFile]:
-    """The manifest at a local path or ``s3://`` URI, checked against its pinned sha256."""
-    try:
-        if location.startswith("s3://"):
-            bucket, key = split_s3_uri(location)
-            try:
-                body = client.get_object(Bucket=bucket, Key=key)["Body"]
-                data = body.read(MAX_MANIFEST_BYTES + 1)
-            except Exception as exc:  # noqa: BLE001 - botocore's errors, named in one line
-                raise _store_error(exc, location, "manifest") from exc
-        else:
-            with open(location, "rb") as fh:
-                data = fh.read(MAX_MANIFEST_BYTES + 1)
-    except (StorageError, OSError) as exc:
-        raise FetchError(f"manifest {location}: {exc}", EXIT_USAGE) from exc
-    if pin is not None and hashlib.sha256(data).hexdigest() != pin.lower():
-        raise FetchError(
-            f"manifest {location}: sha256 {hashlib.sha256(data).hexdigest()} is not the pinned "
-            f"{pin}; publish the manifest the deployment pins, or update the pin",
-            EXIT_USAGE,
-        )
-    try:
-        return parse_manifest(data, f"manifest {location}")
-    except ManifestError as exc:
-        raise FetchError(str(exc), EXIT_USAGE) from exc
-
-
-# ---------------------------------------------------------------------------- the journal
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _not_real(shown: str, needed: str, parent_fd: int | None, name: str | Path) -> FetchError:
-    """A path that must be a real ``needed`` (directory, regular file) is not: one line naming it."""
-    try:
-        to: str | None = os.readlink(name, dir_fd=parent_fd)
-    except OSError:
-        to = None  # not a link (EINVAL), or gone meanwhile
-    if to is not None:
-        return FetchError(
-            f"{shown}: is a symbolic link (to {to!r}), not a {needed}; the fetcher follows no links "
-            "in its destination (another writer may have planted it): remove the link and fetch again",
-            EXIT_USAGE,
-        )
-    return FetchError(f"{shown}: is not a {needed}; remove it and fetch again", EXIT_USAGE)
-
-
-def _open_dir(name: str | Path, parent_fd: int | None, shown: str) -> int:
-    """A real folder ``name`` (in ``parent_fd``), created if missing, opened without following
-    a link; a FetchError naming ``shown`` if it is a link or not a folder."""
-    try:
-        os.mkdir(name, 0o755, dir_fd=parent_fd)
-    except FileExistsError:
-        pass  # mkdir never follows a link in the last component
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-            raise _not_real(shown, "directory", parent_fd, name) from exc
-        raise
-
-
-def _open_regular(
-    name: str, parent_fd: int, flags: int, mode: int = 0o644
-) -> tuple[int, os.stat_result] | None:
-    """``name`` in ``parent_fd`` opened without following a link, and its fstat; None if it is a
-    link or not a regular file (then nothing was opened: a FIFO would not block, O_NONBLOCK)."""
-    try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-            return None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None
-    return fd, st
-
-
-def _sha256_fd(fd: int) -> str:
-    digest = hashlib.sha256()
-    with open(fd, "rb", buffering=0, closefd=False) as fh:
-        while block := fh.read(8 * 1024 * 1024):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-class Journal:
-    """``verified.jsonl`` in the state folder (a descriptor, never a path through a link): one
-    line per file accepted, appended and fsynced after its rename."""
-
-    def __init__(self, state_fd: int, shown: str) -> None:
-        self.state_fd, self.shown = state_fd, shown
-        self._lock = threading.Lock()
-        self._fd: int | None = None
-
-    def _refuse(self) -> FetchError:
-        return _not_real(self.shown, "regular file", self.state_fd, JOURNAL)
-
-    def load(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        try:
-            opened = _open_regular(JOURNAL, self.state_fd, os.O_RDONLY)
-        except FileNotFoundError:
-            return out
-        if opened is None:
-            raise self._refuse()
-        fd, _ = opened
-        with open(fd, "rb") as fh:
-            lines = fh.read().splitlines()
-        for line in lines:
-            try:
-                entry = json.loads(line)
-                out[entry["path"]] = entry
-            except (ValueError, KeyError, TypeError):
-                continue  # a line torn by a crash mid-append: that file is re-hashed
-        return out
-
-    def record(self, f: ManifestFile, mtime_ns: int) -> None:
-        line = json.dumps({"path": f.path, "size": f.size, "sha256": f.sha256, "mtime_ns": mtime_ns}) + "\n"
-        with self._lock:
-            if self._fd is None:
-                opened = _open_regular(JOURNAL, self.state_fd, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-                if opened is None:
-                    raise self._refuse()
-                if opened[1].st_nlink != 1:  # a hard link: appending would change another name's file
-                    os.close(opened[0])
-                    raise FetchError(
-                        f"{self.shown}: has {opened[1].st_nlink} names (a hard link); "
-                        "remove it and fetch again",
-                        EXIT_USAGE,
-                    )
-                self._fd = opened[0]
-            view = memoryview(line.encode())
-            while view:
-                view = view[os.write(self._fd, view) :]
-            os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 # ---------------------------------------------------------------------------- fetching
@@ -375,12 +195,12 @@ class ModelFetcher:
         O_NOFOLLOW: a planted link anywhere below dest fails the fetch instead of leading out."""
         if rel not in self._dirs:
             parent, _, name = rel.rpartition("/")
-            self._dirs[rel] = _open_dir(name, self._dir(parent), str(self.dest / rel))
+            self._dirs[rel] = open_dir(name, self._dir(parent), str(self.dest / rel))
         return self._dirs[rel]
 
     def _open_state(self) -> None:
         self.dest.parent.mkdir(parents=True, exist_ok=True)  # dest's parents are the deployment's
-        self._dirs[""] = _open_dir(self.dest, None, str(self.dest))
+        self._dirs[""] = open_dir(self.dest, None, str(self.dest))
         state_fd = self._dir(STATE_DIR)
         self._parts_fd = self._dir(f"{STATE_DIR}/parts")
         self.journal = Journal(state_fd, str(self.state / JOURNAL))
@@ -396,7 +216,7 @@ class ModelFetcher:
         parts = self._parts_fd
         for name in os.listdir(parts):
             if stat.S_ISDIR(os.stat(name, dir_fd=parts, follow_symlinks=False).st_mode):
-                raise _not_real(str(self.state / "parts" / name), "regular file", parts, name)
+                raise not_real(str(self.state / "parts" / name), "regular file", parts, name)
             os.unlink(name, dir_fd=parts)  # a file or a link: only the name goes
 
     # -- the plan
@@ -428,8 +248,8 @@ class ModelFetcher:
         except FileNotFoundError:
             return False
         if stat.S_ISDIR(st.st_mode):
-            raise _not_real(str(self.dest / f.path), "regular file", dir_fd, name)
-        opened = _open_regular(name, dir_fd, os.O_RDONLY) if stat.S_ISREG(st.st_mode) else None
+            raise not_real(str(self.dest / f.path), "regular file", dir_fd, name)
+        opened = open_regular(name, dir_fd, os.O_RDONLY) if stat.S_ISREG(st.st_mode) else None
         if opened is None:  # a link, a FIFO, ...: deleting it deletes only the name
             os.unlink(name, dir_fd=dir_fd)
             self.report.rejected.append(f.path)
@@ -440,7 +260,7 @@ class ModelFetcher:
             if st.st_size == f.size:
                 if not self.opts.reverify and journal.get(f.path) == expected:
                     return True
-                if _sha256_fd(fd) == f.sha256:  # in place but unrecorded, or --reverify
+                if sha256_fd(fd) == f.sha256:  # in place but unrecorded, or --reverify
                     if journal.get(f.path) != expected:
                         assert self.journal is not None
                         self.journal.record(f, st.st_mtime_ns)
@@ -646,77 +466,7 @@ def fetch_model(
 # ---------------------------------------------------------------------------- the CLI
 
 
-def write_termination_message(path: str | None, message: str) -> None:
-    if not path:
-        return
-    try:
-        with open(path, "wb") as fh:
-            fh.write(message.encode("utf-8", "backslashreplace")[:TERMINATION_MESSAGE_BYTES])
-    except OSError as exc:
-        print(f"model_fetch: cannot write the termination message to {path}: {exc}", file=sys.stderr)
+if __name__ == "__main__":  # what the init containers run (python -m ...model_fetch)
+    from aibrix_operators.serving.model_fetch_cli import main
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m aibrix_operators.serving.model_fetch",
-        description="Download a model from s3:// to a local directory, each file checked by its manifest.",
-    )
-    p.add_argument(
-        "--source",
-        default=os.environ.get("MODEL_SOURCE"),
-        help="s3://bucket/prefix of the model (env MODEL_SOURCE)",
-    )
-    p.add_argument("--dest", required=True, type=Path, help="local directory, e.g. /models/model")
-    p.add_argument(
-        "--manifest",
-        default=os.environ.get("MODEL_MANIFEST") or None,
-        help=f"local path or s3:// URI (env MODEL_MANIFEST); default SOURCE/{MANIFEST_NAME}",
-    )
-    p.add_argument(
-        "--manifest-sha256",
-        default=os.environ.get("MODEL_MANIFEST_SHA256") or None,
-        help="the manifest's own sha256, pinned by the deployment (env MODEL_MANIFEST_SHA256)",
-    )
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
-    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    p.add_argument("--max-bytes-per-s", type=float, default=None)
-    p.add_argument("--reverify", action="store_true", help="re-hash files already verified")
-    p.add_argument(
-        "--termination-log",
-        default=None,
-        help="where a failure's one-line reason goes too (a pod's terminationMessagePath)",
-    )
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if not args.source:
-            raise FetchError("no --source (or MODEL_SOURCE): give the model's s3://bucket/prefix", EXIT_USAGE)
-        if args.workers < 1 or args.chunk_bytes < 1:
-            raise FetchError("--workers and --chunk-bytes must be positive", EXIT_USAGE)
-        options = FetchOptions(
-            workers=args.workers,
-            chunk_bytes=args.chunk_bytes,
-            max_bytes_per_s=args.max_bytes_per_s,
-            reverify=args.reverify,
-        )
-        report = fetch_model(
-            args.source,
-            args.dest,
-            manifest=args.manifest,
-            manifest_sha256=args.manifest_sha256,
-            options=options,
-        )
-    except FetchError as exc:
-        message = f"model fetch failed: {exc}"
-        print(message, file=sys.stderr, flush=True)
-        write_termination_message(args.termination_log, message)
-        return exc.exit_code
-    print(report.as_json(), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())
