@@ -15,13 +15,15 @@ the log line) is therefore at most ~100 × 1 KB, whatever the file holds.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from aibrix_operators.batch.duplicate_ids import duplicate_ids
 from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.jsonl_lines import UTF8_BOM, skip_newlines, skip_rest_of_line
 from aibrix_operators.batch.prefixes import PrefixSignatures
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
@@ -30,8 +32,6 @@ from aibrix_operators.batch.records import (
     SUPPORTED_ENDPOINTS,
 )
 
-UTF8_BOM = b"\xef\xbb\xbf"
-_SKIP_CHUNK = 1 << 20
 # A user value quoted in a message is cut to this many characters.
 MAX_ECHO_CHARS = 200
 # Any message (ours plus echoed values plus a parser's text) is cut to this.
@@ -151,32 +151,6 @@ class _Collector:
             self.report.errors.append(LineError(line, code, _bounded(message), param))
 
 
-def _skip_rest_of_line(readline: Callable[[int], bytes], size: int) -> int:
-    """Read past the rest of an over-long line without buffering it; its total size."""
-    while True:
-        rest = readline(_SKIP_CHUNK)
-        size += len(rest)
-        if not rest or rest.endswith(b"\n"):
-            return size
-
-
-def _read_lines(stream: BinaryIO, max_line: int) -> Iterator[tuple[bytes, bool, int]]:
-    """Yield ``(line, too_long, size)``; an over-long line is skipped, not buffered."""
-    readline = stream.readline
-    limit = max_line + 2  # room for "\r\n" after a line of exactly max_line bytes
-    while True:
-        line = readline(limit)
-        if not line:
-            return
-        if len(line) == limit and not line.endswith(b"\n"):
-            yield b"", True, _skip_rest_of_line(readline, len(line))
-        elif len(line.rstrip(b"\r\n")) > max_line:
-            # Fits the read limit only thanks to the room left for "\r\n": still too long.
-            yield b"", True, len(line)
-        else:
-            yield line, False, len(line)
-
-
 def validate_stream(
     stream: BinaryIO,
     endpoint: str | None = None,
@@ -238,7 +212,7 @@ def validate_stream(
         too_long = False
         if size == limit and raw[-1] != 0x0A:
             too_long = True
-            size = _skip_rest_of_line(readline, size)
+            size = skip_rest_of_line(readline, size)
         elif size > max_line and len(raw.rstrip(b"\r\n")) > max_line:
             # Fits the read limit only thanks to the room left for "\r\n": still too long.
             too_long = True
@@ -269,7 +243,7 @@ def validate_stream(
         if not raw or raw.isspace():  # same as `not raw.strip()`, without copying the line
             blank.add(line_no, 1)
             if raw == b"\n" and peek is not None:
-                skipped = _skip_newlines(stream, peek)
+                skipped = skip_newlines(stream, peek)
                 if skipped:
                     blank.add(line_no + 1, skipped)
                     line_no += skipped
@@ -306,7 +280,14 @@ def validate_stream(
     report.total_bytes = total_bytes
     if report.total_requests == 0 and report.error_count == 0:
         err.add(None, ValidationCode.EMPTY_FILE, "file holds no requests")
-    _report_duplicates(id_hashes, id_lines, err, reopen, limits.max_line_bytes)
+    for line, first, cid in duplicate_ids(id_hashes, id_lines, reopen, limits.max_line_bytes):
+        if cid is None:  # the file cannot be read again: the lines, by the ids' hashes
+            err.add(line, ValidationCode.DUPLICATE_CUSTOM_ID,
+                    f"custom_id is a duplicate of the one on line {first}", "custom_id")
+        else:
+            err.add(line, ValidationCode.DUPLICATE_CUSTOM_ID,
+                    f"custom_id {echo(cid)} already appears on line {first}; "
+                    "custom_id must be unique in a batch", "custom_id")
     return report
 
 
@@ -335,18 +316,6 @@ class _BlankRun:
                     f"{self.count} blank lines (lines {self.first}-{last}) between requests; "
                     "remove them")
         self.count = 0
-
-
-def _skip_newlines(stream: BinaryIO, peek: Callable[[int], bytes]) -> int:
-    """Consume the bare ``\n`` bytes at the stream's position, a buffer at a time; how many."""
-    skipped = 0
-    while True:
-        buf = peek(_SKIP_CHUNK)
-        n = len(buf) - len(buf.lstrip(b"\n"))
-        if n == 0:
-            return skipped
-        stream.read(n)
-        skipped += n
 
 
 def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) -> Any:
@@ -511,77 +480,3 @@ def _model_id(record: Any, report: ValidationReport) -> int:
     body = record.get("body") if type(record) is dict else None
     model = body.get("model") if type(body) is dict else None
     return report.adapter_ids.get(model, 0) if model != report.model else 0
-
-
-def _report_duplicates(
-    hashes: array,
-    lines: array,
-    err: _Collector,
-    reopen: Callable[[], BinaryIO] | None,
-    max_line: int,
-) -> None:
-    suspects = _lines_with_colliding_hashes(hashes, lines)
-    if not suspects:
-        return
-    ids_at = _ids_at_lines(reopen, suspects, max_line) if reopen else None
-    if ids_at is None:
-        first_line: dict[int, int] = {}
-        for n in sorted(suspects):
-            h = suspects[n]
-            if h in first_line:
-                err.add(n, ValidationCode.DUPLICATE_CUSTOM_ID,
-                        f"custom_id is a duplicate of the one on line {first_line[h]}", "custom_id")
-            else:
-                first_line[h] = n
-        return
-    first_seen: dict[str, int] = {}
-    for n in sorted(ids_at):
-        cid = ids_at[n]
-        if cid in first_seen:
-            err.add(n, ValidationCode.DUPLICATE_CUSTOM_ID,
-                    f"custom_id {echo(cid)} already appears on line {first_seen[cid]}; "
-                    "custom_id must be unique in a batch", "custom_id")
-        else:
-            first_seen[cid] = n
-
-
-def _lines_with_colliding_hashes(hashes: array, lines: array) -> dict[int, int]:
-    """Line numbers whose id hash occurs more than once → that hash."""
-    if len(hashes) < 2:
-        return {}
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        seen: dict[int, list[int]] = {}
-        for h, n in zip(hashes, lines, strict=True):
-            seen.setdefault(h, []).append(n)
-        return {n: h for h, ns in seen.items() if len(ns) > 1 for n in ns}
-    h = np.frombuffer(hashes, dtype=np.int64)
-    # Most files have no duplicates: a plain sort answers that with less memory than argsort.
-    sorted_h = np.sort(h)
-    if not (sorted_h[1:] == sorted_h[:-1]).any():
-        return {}
-    del sorted_h
-    order = np.argsort(h, kind="stable")
-    sorted_h = h[order]
-    same_as_next = sorted_h[1:] == sorted_h[:-1]
-    if not same_as_next.any():
-        return {}
-    dup = np.zeros(len(sorted_h), dtype=bool)
-    dup[1:] |= same_as_next
-    dup[:-1] |= same_as_next
-    ln = np.frombuffer(lines, dtype=np.int64 if lines.itemsize == 8 else np.int32)
-    return {int(ln[i]): int(sorted_h[j]) for j, i in enumerate(order) if dup[j]}
-
-
-def _ids_at_lines(
-    reopen: Callable[[], BinaryIO], wanted: dict[int, int], max_line: int
-) -> dict[int, str]:
-    found: dict[int, str] = {}
-    with reopen() as stream:
-        for line_no, (raw, too_long, _) in enumerate(_read_lines(stream, max_line), start=1):
-            if line_no in wanted and not too_long:
-                found[line_no] = loads(raw.lstrip(UTF8_BOM))["custom_id"]
-                if len(found) == len(wanted):
-                    break
-    return found
