@@ -424,7 +424,7 @@ def vllm_templates(overlay: str, docs: tuple[dict[str, Any], ...] | None = None)
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_vllm_pod_fetches_its_model_before_vllm_starts(overlay: str) -> None:
-    from aibrix_operators.serving.model_fetch_cli import parse_args
+    from aibrix_operators.serving.model_fetch.cli import parse_args
 
     [model_cm] = [
         d for d in render(overlay) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vllm-model"

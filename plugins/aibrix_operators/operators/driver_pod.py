@@ -48,16 +48,23 @@ from airflow.providers.cncf.kubernetes.kubernetes_helper_functions import (
 )
 from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
-from airflow.providers.cncf.kubernetes.utils.pod_manager import PodManager, detect_pod_terminate_early_issues
+from airflow.providers.cncf.kubernetes.utils.pod_manager import PodManager
 from airflow.sdk import BaseHook, Context
 from airflow.sdk.exceptions import AirflowNotFoundException, TaskDeferred
 from kubernetes.client import models as k8s
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
-from aibrix_operators.batch.error_codes import BatchFailure
-from aibrix_operators.driver_pods.outcome import DriverPodFailure, PodVerdict, container_status, judge_pod
+from aibrix_operators.driver_pods.outcome import PodVerdict, container_status, judge_pod
 from aibrix_operators.driver_pods.spec import CONTAINER_NAME, DriverPod, DriverPodSettings
+from aibrix_operators.operators.driver_pod_states import (
+    api_failure,
+    finished_status,
+    reason_of,
+    state_line,
+    still_running,
+    unreachable,
+)
 
 RESUME_METHOD = "trigger_reentry"  # DispatchShardOperator's resume method (the provider's name, kept)
 # Where the pod's identity is kept across tries: the key the provider's operator used, so a task
@@ -359,9 +366,10 @@ class DriverPodRunner:
                 return lines
             except (ApiException, *_API_ERRORS) as exc:
                 if attempt == 2 or getattr(exc, "status", None) == 404:
-                    self.log.warning("could not read the log of driver pod %s (%s)", name, _reason(exc))
+                    self.log.warning("could not read the log of driver pod %s (%s)", name, reason_of(exc))
                     return []
-                self.log.warning("reading the log of driver pod %s failed (%s); retrying", name, _reason(exc))
+                self.log.warning("reading the log of driver pod %s failed (%s); retrying", name,
+                                 reason_of(exc))
                 time.sleep(1 + attempt)
             finally:
                 if stream is not None and hasattr(stream, "release_conn"):
@@ -371,13 +379,13 @@ class DriverPodRunner:
     def log_failure(self, pod: k8s.V1Pod) -> None:
         """The container's state and the pod's events, for whoever reads the task log."""
         for cs in (pod.status.container_statuses if pod.status else None) or []:
-            self.log.info("container %s: %s", cs.name, _state_line(cs.state))
+            self.log.info("container %s: %s", cs.name, state_line(cs.state))
         try:
             for ev in self.pods.read_pod_events(pod).items:
                 level = logging.WARNING if ev.type == "Warning" else logging.INFO
                 self.log.log(level, "pod event: %s - %s", ev.reason, ev.message)
         except Exception as exc:  # noqa: BLE001 - events only explain; never fail on them
-            self.log.info("could not read the pod's events (%s)", _reason(exc))
+            self.log.info("could not read the pod's events (%s)", reason_of(exc))
 
     def delete(self) -> None:
         """Delete the pod this runner follows (best effort: the verdict does not depend on it)."""
@@ -388,7 +396,7 @@ class DriverPodRunner:
         try:
             self.pods.delete_pod(pod)
         except Exception as exc:  # noqa: BLE001
-            self.log.warning("could not delete driver pod %s (%s)", pod.metadata.name, _reason(exc))
+            self.log.warning("could not delete driver pod %s (%s)", pod.metadata.name, reason_of(exc))
 
     on_kill = delete
 
@@ -406,51 +414,6 @@ def ti_labels(context: Context | None) -> dict[str, str]:
         labels["map_index"] = str(ti.map_index)
     labels["try_number"] = str(ti.try_number)
     return {k: make_safe_label_value(str(v)) for k, v in labels.items()}
-
-
-def finished_status(pod: dict[str, Any]) -> str | None:
-    """``success``/``failed`` when the pod (or its driver container) has ended, else None."""
-    phase = (pod.get("status") or {}).get("phase")
-    if phase in ("Succeeded", "Failed"):
-        return "success" if phase == "Succeeded" else "failed"
-    terminated = (container_status(pod).get("state") or {}).get("terminated")
-    if terminated:
-        return "success" if terminated.get("exitCode") == 0 else "failed"
-    return None
-
-
-def still_running(pod: k8s.V1Pod, as_dict: dict[str, Any]) -> bool:
-    """Running, waiting or pending, and not stuck on what never resolves (an image that cannot be
-    pulled): the provider operator's rule for deferring again after a trigger error."""
-    if finished_status(as_dict) is not None:
-        return False
-    state = container_status(as_dict).get("state") or {}
-    phase = (as_dict.get("status") or {}).get("phase")
-    if not ("running" in state or "waiting" in state or phase == "Pending"):
-        return False
-    return pod.status is None or not detect_pod_terminate_early_issues(pod)
-
-
-def api_failure(exc: ApiException, doing: str) -> DriverPodFailure:
-    """A Kubernetes API error as a batch error: 401/403 need a person (RBAC), others may pass."""
-    reason = f"{exc.status} {exc.reason}".strip()
-    if exc.status in (401, 403):
-        return DriverPodFailure(
-            BatchFailure.KUBERNETES_FORBIDDEN,
-            f"the Kubernetes API refused {doing} ({reason}); the identity of the Airflow kubernetes "
-            "connection needs create/get/list/delete on pods and get on pods/log in that namespace",
-            retryable=False,
-        )
-    return DriverPodFailure(
-        BatchFailure.KUBERNETES_API_ERROR, f"the Kubernetes API failed {doing} ({reason})", retryable=True
-    )
-
-
-def unreachable(exc: BaseException, doing: str) -> DriverPodFailure:
-    return DriverPodFailure(
-        BatchFailure.KUBERNETES_API_ERROR, f"the Kubernetes API failed {doing} ({_reason(exc)})",
-        retryable=True,
-    )
 
 
 def _is_identity(stored: Any) -> bool:
@@ -475,25 +438,6 @@ def _kubeconfig_dict() -> dict[str, Any] | None:
         return None
     with open(path) as f:
         return yaml.safe_load(f)
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"{exc.status} {exc.reason}".strip()
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def _state_line(state: Any) -> str:
-    if state is None:
-        return "no state"
-    if state.terminated:
-        t = state.terminated
-        return f"terminated (exit {t.exit_code}, reason {t.reason}, message {t.message})"
-    if state.waiting:
-        return f"waiting ({state.waiting.reason}: {state.waiting.message})"
-    if state.running:
-        return f"running since {state.running.started_at}"
-    return "unknown"
 
 
 def _env_var(entry: dict[str, Any]) -> k8s.V1EnvVar:

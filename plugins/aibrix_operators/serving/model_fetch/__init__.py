@@ -29,8 +29,8 @@ What a vLLM pod's init container runs (k8s overlays, docs/model-delivery.md)::
 
 S3 access is boto3's usual chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as
 ``storage.py``. The destination's link-safe folder and file handling and the journal are
-``fetch_dest.py``; reading the manifest and the store's errors, ``fetch_store.py``; the command
-line, ``model_fetch_cli.py``.
+``dest.py``; reading the manifest and the store's errors, ``store.py``; the command
+line, ``cli.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import stat
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aibrix_operators.serving.fetch_dest import (
+from aibrix_operators.serving.model_fetch.dest import (
     EXIT_FAILED,
     EXIT_MISMATCH,
     EXIT_MISSING,
@@ -64,7 +63,7 @@ from aibrix_operators.serving.fetch_dest import (
     open_regular,
     sha256_fd,
 )
-from aibrix_operators.serving.fetch_store import _store_error, read_manifest, s3_client
+from aibrix_operators.serving.model_fetch.store import _store_error, read_manifest, s3_client
 from aibrix_operators.serving.model_manifest import (
     MANIFEST_NAME,
     STATE_DIR,
@@ -464,9 +463,3 @@ def fetch_model(
 
 
 # ---------------------------------------------------------------------------- the CLI
-
-
-if __name__ == "__main__":  # what the init containers run (python -m ...model_fetch)
-    from aibrix_operators.serving.model_fetch_cli import main
-
-    sys.exit(main())

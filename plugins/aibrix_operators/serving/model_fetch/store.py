@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from aibrix_operators.serving.fetch_dest import (
+from aibrix_operators.serving.model_fetch.dest import (
     EXIT_MISMATCH,
     EXIT_MISSING,
     EXIT_STORE,

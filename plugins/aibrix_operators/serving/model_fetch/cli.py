@@ -1,6 +1,6 @@
 """``python -m aibrix_operators.serving.model_fetch``'s command line: arguments (flags or the
 pod's environment), the one-line failure on stderr and in the termination message, and the exit
-status of its kind (``fetch_dest.EXIT_*``)."""
+status of its kind (``dest.EXIT_*``)."""
 
 from __future__ import annotations
 
