@@ -123,7 +123,8 @@ def test_batch_runs_in_driver_pods_through_api_faults(
     assert all(r.container_name for r in runs)  # 3 pods, each a container of the built driver image
     run = runs[0]
     assert run.argv[1:3] == ["-m", "aibrix_operators.driver.cli"]
-    assert run.argv[run.argv.index("--endpoint") + 1] == vllm_chat.base_url
+    (config,) = [a.removeprefix("--config-json=") for a in run.argv if a.startswith("--config-json=")]
+    assert json.loads(config)["endpoint"] == vllm_chat.base_url  # the worker's DriverConfig, as itself
     assert {"AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY", "OPENAI_API_KEY_ORIGIN"} <= set(run.env_names)
     assert all(r.labels.get("dag_id") == "batch_inference" and r.labels.get("map_index") for r in runs)
     assert cluster.pods(NS) == []  # finished pods are deleted

@@ -14,14 +14,15 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client import ApiClient
 
+from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, process_cluster  # noqa: F401 - fixture
 from tests.metrics.conftest import REPO
 
 NOW = 1_800_000_000.0
 REQ = DriverPodRequest(batch_id="batch_0a750e3a913c42cf", shard_index=0, shard_uri="s3://b/shard-00000.jsonl",
-                       results_prefix="s3://b/results/shard-00000", endpoint="http://router:8000",
-                       total_requests=10, deadline=NOW + 3600, attempt=1)
+                       results_prefix="s3://b/results/shard-00000", total_requests=10, attempt=1,
+                       config=DriverConfig(endpoint="http://router:8000", deadline=NOW + 3600))
 
 
 def _env(manifest: dict) -> dict[str, str]:
@@ -105,9 +106,9 @@ def test_driver_pod_serves_and_pushes_its_metrics(tmp_path, process_cluster, fau
     settings = DriverPodSettings(namespace="batch", image=LOCAL_PYTHON_IMAGE, s3_secret=None,
                                  inference_secret=None, metrics_port=port, pushgateway_url=pushgateway)
     req = DriverPodRequest(batch_id="batch_metrics", shard_index=0, shard_uri=str(shard),
-                           results_prefix=str(tmp_path / "results"), endpoint=fault_server.url,
-                           total_requests=30, deadline=time.time() + 600, attempt=1, model="m",
-                           concurrency=2)
+                           results_prefix=str(tmp_path / "results"), total_requests=30, attempt=1,
+                           config=DriverConfig(endpoint=fault_server.url, deadline=time.time() + 600,
+                                               concurrency=2), model="m")
     manifest = build_driver_pod(settings, req).manifest()
     manifest["metadata"]["name"] += "-m1"
     api = client.CoreV1Api(config.new_client_from_config(str(fake_cluster.kubeconfig)))

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes.client import ApiClient
 
+from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.outcome import judge_pod, parse_outcome
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.step_errors import step_error_code
@@ -19,13 +20,11 @@ REQ = DriverPodRequest(
     shard_index=3,
     shard_uri="s3://b/out/_work/run/shards/shard-00003.jsonl",
     results_prefix="s3://b/out/_work/run/results/shard-00003",
-    endpoint="http://router.batch.svc:8000",
     total_requests=5000,
-    deadline=NOW + 3600,
     attempt=2,
+    config=DriverConfig(endpoint="http://router.batch.svc:8000", deadline=NOW + 3600,
+                        cancel_uri="s3://b/out/_work/run/CANCEL", cache_salt="tenant-0f3a"),
     model="llama",
-    cancel_uri="s3://b/out/_work/run/CANCEL",
-    cache_salt="tenant-0f3a",
 )
 
 
@@ -37,10 +36,12 @@ def test_pod_spec_has_args_labels_deadline_and_only_secret_references() -> None:
     args = c["args"]
     assert args[args.index("--shard-uri") + 1] == REQ.shard_uri
     assert args[args.index("--results-prefix") + 1] == REQ.results_prefix
-    assert args[args.index("--endpoint") + 1] == REQ.endpoint
     assert args[args.index("--total") + 1] == "5000" and args[args.index("--model") + 1] == "llama"
-    assert args[args.index("--cancel-uri") + 1] == REQ.cancel_uri  # pods stop on a cancel too
-    assert "--cache-salt=tenant-0f3a" in args  # a tenant's pods keep its salt
+    (config,) = [a.removeprefix("--config-json=") for a in args if a.startswith("--config-json=")]
+    sent = DriverConfig.from_json(config)
+    assert sent.endpoint == REQ.config.endpoint and sent.deadline == NOW + 3600
+    assert sent.cancel_uri == REQ.config.cancel_uri  # pods stop on a cancel too
+    assert sent.cache_salt == "tenant-0f3a"  # a tenant's pods keep its salt
     assert m["metadata"]["labels"]["aibrix.ai/batch-id"] == REQ.batch_id
     assert m["metadata"]["labels"]["aibrix.ai/shard-index"] == "3"
     assert m["metadata"]["labels"]["aibrix.ai/attempt"] == "2"

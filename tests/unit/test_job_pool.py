@@ -26,6 +26,7 @@ from aibrix_operators.batch_api.errors import ApiError
 from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute, load_settings
 from aibrix_operators.client.batch_client import pool_request
 from aibrix_operators.client.errors import ExitCode, PoolConfigError
+from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.pipeline import BATCH_PARAMS
 from aibrix_operators.operators.shard_turns import (
@@ -189,8 +190,8 @@ def test_the_client_checks_a_pool_before_anything_is_sent(tmp_path: Path) -> Non
 
 def test_memory_per_job_is_the_driver_pods_request_and_limit() -> None:
     req = DriverPodRequest(batch_id="batch_0a750e3a913c42cf9aa498ddbbbcaf08", shard_index=0,
-                           shard_uri="s3://b/s", results_prefix="s3://b/r", endpoint="http://e:8000",
-                           total_requests=1, deadline=2e9, attempt=1)
+                           shard_uri="s3://b/s", results_prefix="s3://b/r", total_requests=1, attempt=1,
+                           config=DriverConfig(endpoint="http://e:8000", deadline=2e9))
     settings_ = DriverPodSettings(memory_request="512Mi", memory_limit="1Gi", cpu_request="250m")
     plain = build_driver_pod(settings_, req, now=1e9).resources
     assert plain == {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import fields
 
 import pytest
@@ -24,30 +25,55 @@ SETTINGS = {"concurrency": "concurrency", "max_attempts": "max_attempts",
 def test_each_per_shard_setting_has_one_default_everywhere(name: str) -> None:
     want = DEFAULT_ENDPOINT_WAIT_S if name == "endpoint_wait_s" else default(name)
     operator = inspect.signature(DispatchShardOperator.__init__).parameters[name].default
-    pod = {f.name: f.default for f in fields(DriverPodRequest)}[name]
     cli = build_parser().get_default(SETTINGS.get(name, "endpoint_wait"))
-    assert (BATCH_PARAMS[name].value, operator, pod, cli) == (want, want, want, want)
+    assert (BATCH_PARAMS[name].value, operator, cli) == (want, want, want)
+    if name == "endpoint_wait_s":  # the preflight's wait: the pod request's own field
+        assert {f.name: f.default for f in fields(DriverPodRequest)}[name] == want
 
 
-def test_a_pods_argv_gives_the_driver_the_config_the_worker_builds() -> None:
-    capacity = SharedCapacity(batch_priority=7, target_inflight=3)
+def _worker_config(**more: object) -> DriverConfig:
+    """What the dispatch task builds for a shard in the worker (operators/dispatch.py)."""
+    return DriverConfig(
+        endpoint="http://router.batch.svc:8000", concurrency=7, max_attempts=3, request_timeout_s=45.5,
+        deadline=2e9, outage_budget_s=120.0, cancel_uri="s3://b/w/cancel.json", cache_salt="-tenant-salt",
+        capacity=SharedCapacity(batch_priority=7, target_inflight=3), **more,
+    )
+
+
+def test_a_pod_gets_the_workers_config_as_itself_and_never_its_key() -> None:
+    in_worker = _worker_config(api_key_env=None, api_key="sk-connection-password",
+                               api_key_origin="http://router.batch.svc:8000")
     req = DriverPodRequest(
         batch_id="batch_0a750e3a913c42cf", shard_index=2, shard_uri="s3://b/w/shards/shard-00002.jsonl",
-        results_prefix="s3://b/w/results/shard-00002", endpoint="http://router.batch.svc:8000",
-        total_requests=40, deadline=2_000_000_000.0, attempt=1, model="llama", concurrency=7,
-        max_attempts=3, request_timeout_s=45.5, endpoint_wait_s=12.0, outage_budget_s=120.0,
-        cancel_uri="s3://b/w/cancel.json", cache_salt="-tenant-salt", capacity_json=capacity.to_json(),
+        results_prefix="s3://b/w/results/shard-00002", total_requests=40, attempt=1,
+        config=in_worker.for_pod(), model="llama", endpoint_wait_s=12.0,
     )
-    args = build_parser().parse_args(build_driver_pod(DriverPodSettings(), req, now=1e9).args)
+    argv = build_driver_pod(DriverPodSettings(), req, now=1e9).args
+    args = build_parser().parse_args(argv)
     in_pod = config_from(args)
-    # What the dispatch task builds for the same shard in the worker (operators/dispatch.py), less
-    # where the key comes from (a connection there, the inference Secret's env var in a pod).
-    in_worker = DriverConfig(
-        endpoint=req.endpoint, concurrency=7, max_attempts=3, request_timeout_s=45.5, deadline=2e9,
-        outage_budget_s=120.0, cancel_uri=req.cancel_uri, cache_salt=req.cache_salt, capacity=capacity,
-    )
-    key_source = {"api_key", "api_key_env", "api_key_origin", "extra_headers"}
-    assert {f.name: getattr(in_pod, f.name) for f in fields(DriverConfig) if f.name not in key_source} == {
-        f.name: getattr(in_worker, f.name) for f in fields(DriverConfig) if f.name not in key_source}
+    # Object -> one JSON -> object: every field equal, the key's source the pod's Secret.
+    assert in_pod == in_worker.for_pod()
+    assert (in_pod.api_key, in_pod.api_key_env, in_pod.api_key_origin) == (None, "OPENAI_API_KEY", None)
+    assert not any("sk-connection-password" in a for a in argv)
     assert (args.shard_uri, args.results_prefix, args.total, args.model, args.endpoint_wait) == (
         req.shard_uri, req.results_prefix, 40, "llama", 12.0)
+
+
+def test_a_pod_config_is_checked_as_the_workers_and_refuses_what_it_does_not_know() -> None:
+    good = json.loads(_worker_config().for_pod().to_json())
+    with pytest.raises(ValueError, match=r"unknown fields \['max_retries'\]"):
+        DriverConfig.from_json(json.dumps({**good, "max_retries": 3}))
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        DriverConfig.from_json(json.dumps({**good, "concurrency": 0}))
+    with pytest.raises(ValueError, match="no endpoint"):
+        DriverConfig.from_json(json.dumps({k: v for k, v in good.items() if k != "endpoint"}))
+    with pytest.raises(ValueError, match="not JSON"):
+        DriverConfig.from_json("{concurrency: 7}")
+    with pytest.raises(ValueError, match="api_key"):  # a key is never part of a pod's config
+        DriverConfig.from_json(json.dumps({**good, "api_key": "sk-smuggled"}))
+    # The pod's CLI takes the config whole: a flag beside it is refused, not silently merged.
+    parser = build_parser()
+    args = parser.parse_args(["--shard-uri", "s", "--results-prefix", "r", "--concurrency", "9",
+                              f"--config-json={json.dumps(good)}"])
+    with pytest.raises(ValueError, match="do not give --concurrency too"):
+        config_from(args, parser)

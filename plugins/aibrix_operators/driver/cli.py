@@ -89,8 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the shard's JSONL file: a local path or s3://bucket/key")
     where.add_argument("--results-prefix", required=True, metavar="URI",
                        help="where the shard's result segments go (local directory or s3:// prefix)")
-    where.add_argument("--endpoint", required=True, metavar="URL",
-                       help="base URL of the OpenAI-compatible server, e.g. http://router:8000")
+    where.add_argument("--endpoint", default=None, metavar="URL",
+                       help="base URL of the OpenAI-compatible server, e.g. http://router:8000 "
+                            "(required unless --config-json gives it)")
+    where.add_argument("--config-json", default=None, metavar="JSON",
+                       help="the whole driver config as the Airflow worker made it (what a driver pod "
+                            "gets: DriverConfig.to_json); the sending, outage and window flags then "
+                            "may not be given too")
     where.add_argument("--model", default=None,
                        help="the batch's model: the preflight fails at once (exit 4) if the server "
                             "does not list it")
@@ -163,7 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from(args: argparse.Namespace) -> DriverConfig:
+# The flags a --config-json run takes from the JSON instead (argparse dest names).
+_CONFIG_FLAGS = ("endpoint", "concurrency", "max_attempts", "request_timeout", "connect_timeout",
+                 "backoff_base", "backoff_max", "flush_interval", "flush_every", "progress_interval",
+                 "deadline", "api_key_env", "api_key_origin", "breaker_failures", "probe_interval",
+                 "outage_budget", "checkpoint_retry", "max_unflushed", "cancel_uri", "cache_salt",
+                 "shared_capacity")
+
+
+def config_from(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> DriverConfig:
+    """The run's DriverConfig: the pod's ``--config-json`` (one serialisation, checked here as the
+    worker checked it), or the flags a person gives."""
+    if args.config_json is not None:
+        defaults = build_parser() if parser is None else parser
+        given = [f"--{n.replace('_', '-')}" for n in _CONFIG_FLAGS
+                 if getattr(args, n) != defaults.get_default(n)]
+        if given:
+            raise ValueError(f"--config-json carries the whole config; do not give {', '.join(given)} too")
+        return DriverConfig.from_json(args.config_json)
+    if args.endpoint is None:
+        raise ValueError("give --endpoint (the OpenAI-compatible server's base URL) or --config-json")
     return DriverConfig(
         endpoint=args.endpoint, concurrency=args.concurrency, max_attempts=args.max_attempts,
         request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
@@ -208,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        config = config_from(args)
+        config = config_from(args, parser)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
     try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from aibrix_operators.capacity.mode import SharedCapacity
@@ -13,6 +14,11 @@ from aibrix_operators.trust import endpoint_form_problem, under_base
 # How long a shard's preflight waits for a starting or restarting endpoint (driver/preflight.py):
 # the operator's, the DAG param's, the pod's and the CLI's default.
 DEFAULT_ENDPOINT_WAIT_S = 300.0
+
+
+# Never in a pod's config: the key comes from the pod's environment (``api_key_env``, a Secret),
+# and extra headers are the worker's alone.
+_NOT_SENT = ("api_key", "api_key_origin", "extra_headers")
 
 
 def default(name: str) -> Any:
@@ -91,6 +97,41 @@ class DriverConfig:
             )
         if problem := endpoint_form_problem(self.endpoint):
             raise ValueError(f"endpoint {self.endpoint!r}: {problem}")
+
+    def for_pod(self) -> DriverConfig:
+        """This config as a driver pod runs it: the key from the pod's environment (the
+        deployment's inference Secret, ``api_key_env``), never the worker's connection password."""
+        return replace(self, api_key=None, api_key_origin=None, extra_headers={},
+                       api_key_env=self.api_key_env or default("api_key_env"))
+
+    def to_json(self) -> str:
+        """The one serialisation a driver pod receives (``--config-json``; ``from_json`` reads it
+        back and checks it as the worker's config was checked). No key or extra header travels."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SENT}
+        data["capacity"] = asdict(self.capacity) if self.capacity is not None else None
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> DriverConfig:
+        """``to_json``'s output back as a config: every field known, the values checked
+        (``__post_init__``); anything else is a ValueError that names it."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"driver config is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("driver config must be a JSON object")
+        known = {f.name for f in fields(cls)} - set(_NOT_SENT)
+        if unknown := sorted(set(data) - known):
+            raise ValueError(f"driver config has unknown fields {unknown}: the pod's driver is older or "
+                             "newer than the worker's (use the same image version)")
+        if "endpoint" not in data:
+            raise ValueError("driver config has no endpoint")
+        capacity = data.pop("capacity", None)
+        try:
+            return cls(**data, capacity=SharedCapacity(**capacity) if capacity is not None else None)
+        except TypeError as exc:
+            raise ValueError(f"driver config: {exc}") from exc
 
     @property
     def base_url(self) -> str:

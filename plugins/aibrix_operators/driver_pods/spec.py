@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, default
+from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig
 from aibrix_operators.trust import TrustViolation
 
 # The CLI in the driver image (inference_images/batch_driver/): same entry point as the Dockerfile's.
@@ -106,28 +106,32 @@ def _choose(requested: str | None, default: str, allowed: tuple[str, ...], rule:
 
 @dataclass(frozen=True)
 class DriverPodRequest:
-    """One shard's driver run."""
+    """One shard's driver run: the driver's own config travels as itself (``DriverConfig.to_json``,
+    read back and checked by the pod's CLI); the rest says which shard and how the pod is made."""
 
     batch_id: str
     shard_index: int
     shard_uri: str
     results_prefix: str
-    endpoint: str
     total_requests: int
-    deadline: float  # end of the completion window, seconds since the epoch
     attempt: int  # Airflow's try_number
+    config: DriverConfig  # as the pod runs it (``DriverConfig.for_pod``): deadline required
     model: str | None = None
-    concurrency: int = default("concurrency")
-    max_attempts: int = default("max_attempts")
-    request_timeout_s: float = default("request_timeout_s")
     endpoint_wait_s: float = DEFAULT_ENDPOINT_WAIT_S
-    outage_budget_s: float = default("outage_budget_s")
     namespace: str | None = None  # None: the settings' default
     service_account: str | None = None
-    cancel_uri: str | None = None  # the run's cancel marker (driver/cancel.py), watched by the pod
-    cache_salt: str | None = None  # vLLM cache_salt on every request (driver/cache_salt.py)
-    capacity_json: str | None = None  # shared mode's settings (capacity/mode.py); None: dedicated
     memory: str | None = None  # the batch's memory_per_job: request and limit; None: the settings'
+
+    def __post_init__(self) -> None:
+        if self.config.deadline is None:
+            raise ValueError("a driver pod's config needs the batch's deadline (activeDeadlineSeconds)")
+        if self.config.api_key is not None:
+            raise ValueError("a driver pod's config carries no API key: use DriverConfig.for_pod()")
+
+    @property
+    def deadline(self) -> float:
+        assert self.config.deadline is not None
+        return self.config.deadline
 
 
 @dataclass(frozen=True)
@@ -191,35 +195,15 @@ def build_driver_pod(
     namespace = settings.choose_namespace(req.namespace)
     service_account = settings.choose_service_account(req.service_account)
     args = [
-        "--shard-uri",
-        req.shard_uri,
-        "--results-prefix",
-        req.results_prefix,
-        "--endpoint",
-        req.endpoint,
-        "--total",
-        str(req.total_requests),
-        "--deadline",
-        f"{req.deadline:.0f}",
-        "--concurrency",
-        str(req.concurrency),
-        "--max-attempts",
-        str(req.max_attempts),
-        "--request-timeout",
-        _num(req.request_timeout_s),
-        "--endpoint-wait",
-        _num(req.endpoint_wait_s),
-        "--outage-budget",
-        _num(req.outage_budget_s),
-    ]
+        "--shard-uri", req.shard_uri,
+        "--results-prefix", req.results_prefix,
+        "--total", str(req.total_requests),
+        "--endpoint-wait", _num(req.endpoint_wait_s),
+        # One token: the config is the worker's DriverConfig, checked again by the pod's CLI.
+        f"--config-json={req.config.for_pod().to_json()}",
+    ]  # fmt: skip
     if req.model:
         args += ["--model", req.model]
-    if req.cancel_uri:
-        args += ["--cancel-uri", req.cancel_uri]
-    if req.cache_salt:
-        args += [f"--cache-salt={req.cache_salt}"]  # one token: a salt may start with "-"
-    if req.capacity_json:
-        args += [f"--shared-capacity={req.capacity_json}"]
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # progress lines as they happen
     if settings.s3_secret:
         env += [_secret_env(name, settings.s3_secret, name, optional) for name, optional in S3_SECRET_KEYS]

@@ -249,13 +249,8 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             capacity = capacity_for(target.endpoint, self.capacity_mode or None)
             # The worker's own environment never supplies a key (api_key_env=None): a key
             # comes only from the inference connection and is bound to its host.
-            config = DriverConfig(
-                endpoint=target.endpoint, concurrency=int(self.concurrency),
-                max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
-                deadline=float(batch.expires_at), api_key_env=None, api_key=target.api_key,
-                api_key_origin=target.api_key_origin, outage_budget_s=float(self.outage_budget_s),
-                cache_salt=cache_salt, capacity=capacity,
-            )
+            config = self._driver_config(target.endpoint, batch, cache_salt, capacity, api_key_env=None,
+                                         api_key=target.api_key, api_key_origin=target.api_key_origin)
         except (ValueError, TrustViolation) as exc:
             raise AirflowFailException(str(exc)) from exc
         prepare_adapter(shard, config, float(self.endpoint_wait_s))
@@ -349,16 +344,28 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             service_account = settings.choose_service_account(self.kubernetes_service_account or None)
         except TrustViolation as exc:
             raise AirflowFailException(str(exc)) from exc
+        try:
+            # The same DriverConfig as a worker run, less the key (the pod's comes from its Secret).
+            config = self._driver_config(target.endpoint, batch, cache_salt, capacity,
+                                         cancel_uri=cancel_marker_uri(work)).for_pod()
+        except ValueError as exc:
+            raise AirflowFailException(str(exc)) from exc
         return DriverPodRequest(
             batch_id=batch.batch_id, shard_index=shard.index, shard_uri=shard.uri,
-            results_prefix=results_prefix(work, shard.name), endpoint=target.endpoint,
-            total_requests=shard.num_requests, deadline=float(batch.expires_at),
-            attempt=int(context["ti"].try_number), model=batch.model, concurrency=int(self.concurrency),
-            max_attempts=int(self.max_attempts), request_timeout_s=float(self.request_timeout_s),
-            endpoint_wait_s=float(self.endpoint_wait_s), outage_budget_s=float(self.outage_budget_s),
-            namespace=namespace, service_account=service_account, cancel_uri=cancel_marker_uri(work),
-            cache_salt=cache_salt, capacity_json=capacity.to_json() if capacity is not None else None,
-            memory=memory,
+            results_prefix=results_prefix(work, shard.name), total_requests=shard.num_requests,
+            attempt=int(context["ti"].try_number), config=config, model=batch.model,
+            endpoint_wait_s=float(self.endpoint_wait_s), namespace=namespace,
+            service_account=service_account, memory=memory,
+        )
+
+    def _driver_config(
+        self, endpoint: str, batch: ValidatedBatch, cache_salt: str | None, capacity: Any, **more: Any
+    ) -> DriverConfig:
+        """The shard's driver settings from this task's fields: one place for both execution modes."""
+        return DriverConfig(
+            endpoint=endpoint, concurrency=int(self.concurrency), max_attempts=int(self.max_attempts),
+            request_timeout_s=float(self.request_timeout_s), outage_budget_s=float(self.outage_budget_s),
+            deadline=float(batch.expires_at), cache_salt=cache_salt, capacity=capacity, **more,
         )
 
 
