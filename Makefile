@@ -144,17 +144,18 @@ test-fast: $(VENV)/.installed $(IVENV)/.installed
 # a long path) overflows the 107-byte socket path limit. Don't run two suites at once: pytest
 # prunes all but the newest 3 of /tmp/pytest-of-$USER, including a running suite's fixtures.
 #
-# Three xdist workers, whole files each (module fixtures start once), longest files first by
+# Two xdist workers, whole files each (module fixtures start once), longest files first by
 # their stored durations (tests/durations.py; --no-loadscope-reorder keeps that order, which
-# xdist would otherwise replace by the number of tests per file). Much of an e2e test waits on
-# Airflow's scheduling and on vLLM: with two workers the cores idled a third of the pass's last
-# ten minutes (vmstat, clean-clone run of 1547e36), which a third worker fills. Tests marked
-# `serial` (their outcome depends on the server's load) run alone, after.
+# xdist would otherwise replace by the number of tests per file). The pass is CPU-bound: three
+# workers made it slower, not faster (2026-12-05, clean clone of f5aafab: 1559 s against 1470 s
+# with two; every long file took 1.3-2.2x as long, and the eval model's training 17 minutes
+# instead of 10). Tests marked `serial` (their outcome depends on the server's load) run after,
+# alone.
 test-orchestrator:
 	$(MAKE) test-parallel test-serial
 
 test-parallel: setup
-	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 3 --dist loadfile --no-loadscope-reorder \
+	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not serial" \
 		tests --ignore=tests/kvcache
 
