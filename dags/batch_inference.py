@@ -12,8 +12,8 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Param
 
-from aibrix_operators.localenv import default_output_uri
 from aibrix_operators.operators.pipeline import BATCH_PARAMS, add_batch_tasks, from_params
+from aibrix_operators.settings.locations import default_output_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,11 @@ One source of truth for ``make run``, the tests and interactive shells::
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from pathlib import Path
 
 from aibrix_operators.airflow_recovery import RECOVERY_ENV
+from aibrix_operators.trust import local_development_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / ".work"
@@ -34,16 +34,29 @@ def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__API__EXPOSE_CONFIG": "False",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        # Where this checkout keeps batch data (settings/locations.py: a deployment sets these,
+        # an s3:// prefix on several machines; nothing in the package falls back to a folder).
+        "AIRFLOW__AIBRIX_BATCH__OUTPUT_ROOT": str(WORK_DIR / "outputs"),
+        "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": str(WORK_DIR / "batch-api"),
+        "AIRFLOW__AIBRIX_BATCH__EVAL_REPORT_ROOT": str(WORK_DIR),
+        "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(WORK_DIR / "lora-cache"),
+        # This checkout's allow-list (trust.local_development_policy): a deployment sets its own.
+        **allow_list_env(),
         "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"),
         "PYTHONUNBUFFERED": "1",
         **RECOVERY_ENV,  # as the Airflow image sets them
     }
 
 
-def default_output_uri(run_id: str) -> str:
-    """Where a run's results go when the trigger names no output: its own directory,
-    so a failed run can never leave the previous run's batch.json to be read as its own."""
-    return str(WORK_DIR / "outputs" / re.sub(r"[^A-Za-z0-9._-]+", "_", run_id))
+def allow_list_env() -> dict[str, str]:
+    """The local-development allow-list as the deployment's settings: loopback endpoints, the
+    checkout's examples/ and .work/, the default AWS credential chain."""
+    policy = local_development_policy(REPO_ROOT)
+    return {
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS": ",".join(policy.endpoints),
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_STORAGE": ",".join(policy.storage),
+        "AIRFLOW__AIBRIX_BATCH__ALLOWED_AWS_CONN_IDS": ",".join(policy.aws_conn_ids),
+    }
 
 
 def main() -> None:

@@ -94,7 +94,9 @@ def test_the_image_runs_tasks_on_the_slot_keeping_executor(inside):
 def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):
     port = free_port()
     script = f"airflow db migrate >/dev/null && exec airflow api-server --port {port} --host 127.0.0.1"
-    flags = [*BASH, "-e", "AIRFLOW__API_AUTH__JWT_SECRET=image-smoke-test-secret"]
+    # The API's storage is the deployment's setting (settings/locations.py): no folder of the image.
+    flags = [*BASH, "-e", "AIRFLOW__API_AUTH__JWT_SECRET=image-smoke-test-secret",
+             "-e", "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT=/tmp/batch-api"]
     with Detached(airflow_image, "-c", script, flags=flags) as server:
         base = f"http://127.0.0.1:{port}"
 

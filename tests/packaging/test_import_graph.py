@@ -108,3 +108,22 @@ def test_the_batch_core_imports_nothing_of_the_driver() -> None:
                      for t in targets if t.startswith("aibrix_operators.driver"))
     assert back_up == []
     assert "aibrix_operators.batch.shard_results" in graph["aibrix_operators.driver.runner"]
+
+
+DEV_ROOM = {"aibrix_operators.localenv", "aibrix_operators.local_airflow"}
+
+
+def test_no_production_module_or_dag_imports_the_dev_room() -> None:
+    """``localenv`` and ``local_airflow`` know this checkout (its .work folder, a local Airflow):
+    what a deployment runs must not reach them, or it would fall back to a folder of the
+    installed package (issue 37: one node's disk). Locations and the allow-list are deployment
+    settings (settings/locations.py, settings/trust.py); the dev room sets them for local runs."""
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() if m not in DEV_ROOM
+                      for t in targets if t in DEV_ROOM)
+    assert reaching == []
+    dags = sorted(p.name for p in (REPO / "dags").glob("*.py")
+                  if any(room in p.read_text() for room in DEV_ROOM))
+    assert dags == []
+    # The check sees what it must: the dev room imports the package, not the other way round.
+    assert "aibrix_operators.trust" in graph["aibrix_operators.localenv"]

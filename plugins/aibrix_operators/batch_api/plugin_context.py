@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from aibrix_operators import config_sections
@@ -14,7 +15,7 @@ from aibrix_operators.batch_api.auth import VARIABLE, parse_keyring
 from aibrix_operators.batch_api.settings import load_settings
 from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_VARIABLE
 from aibrix_operators.batch_api.tenant_salt import load_cache_salt_key
-from aibrix_operators.localenv import WORK_DIR
+from aibrix_operators.settings.locations import api_storage_root
 from aibrix_operators.storage import is_s3, storage_for
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ SECTION = config_sections.BATCH
 def build_context() -> ApiContext:
     from airflow.configuration import conf
 
-    settings = load_settings(lambda key: conf.get(SECTION, key, fallback=None), WORK_DIR / "batch-api",
+    # The storage root is the deployment's: no folder of the package (settings/locations.py).
+    settings = load_settings(lambda key: conf.get(SECTION, key, fallback=None), Path(api_storage_root()),
                              ui_base_url=conf.get("api", "base_url", fallback=None))
     client: Any = None
     if is_s3(settings.storage_root) and settings.aws_conn_id:

@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from aibrix_operators.evaluation import steps
 from aibrix_operators.evaluation.suites import load_suites
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.localenv import WORK_DIR
+from aibrix_operators.settings.locations import eval_report_root
 from aibrix_operators.settings.trust import load_policy
 from aibrix_operators.trust import TrustViolation
 
@@ -26,7 +26,7 @@ def _plan(suite_name: str, plan: dict[str, Any] | None = None) -> tuple[Any, ste
         when = ctx.get("logical_date") or ctx["dag_run"].run_after
         night = params.get("night") or when.date().isoformat()
         plan = {"suite": suite_name, "date": night, "model": params.get("model") or suite.models[0],
-                "root": params.get("report_uri") or str(WORK_DIR)}
+                "root": params.get("report_uri") or eval_report_root()}
     night_plan = steps.NightPlan(plan["suite"], plan["date"], plan["model"], plan["root"])
     storage = BatchStorageHook(params.get("aws_conn_id")).storage_for(night_plan.root)
     return suite, night_plan, storage

@@ -18,12 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from aibrix_operators import config_sections
-from aibrix_operators.localenv import REPO_ROOT
 from aibrix_operators.lora.registry import EMPTY, AdapterRegistry, load_registry
+from aibrix_operators.settings.locations import lora_cache_dir
 
 SECTION = config_sections.BATCH
-# Local development: beside the checkout's other work files.
-DEFAULT_CACHE_DIR = REPO_ROOT / ".work" / "lora-cache"
 
 
 def load_adapter_registry() -> AdapterRegistry:
@@ -35,10 +33,8 @@ def load_adapter_registry() -> AdapterRegistry:
 
 
 def adapter_cache_dir() -> Path:
-    from airflow.sdk import conf
-
-    raw = (conf.get(SECTION, "lora_cache_dir", fallback=None) or "").strip()
-    return Path(raw) if raw else DEFAULT_CACHE_DIR
+    """The node-local folder adapters are fetched into: the deployment's ``lora_cache_dir``."""
+    return lora_cache_dir()
 
 
 def router_admin_token() -> str | None:

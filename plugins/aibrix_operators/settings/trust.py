@@ -2,10 +2,11 @@
 
 The allow-list is the ``[aibrix_batch]`` section of the Airflow config (so a
 deployment sets it in airflow.cfg, or as ``AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS``
-and friends in the workers' environment); DAG params cannot change it. If the
-section sets none of the keys, the local-development allow-list applies
-(loopback endpoints, this checkout's examples/ and .work/). Once any key is
-set, an unset key allows nothing: a deployment's list fails closed.
+and friends in the workers' environment); DAG params cannot change it. An unset key
+allows nothing: a deployment that sets none refuses every trigger, naming the keys
+(fail closed; the package knows no folder of its own to allow). Local development
+(``make run``, the tests) sets the local-development list, loopback endpoints and
+the checkout's examples/ and .work/, through ``localenv.airflow_env``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aibrix_operators import config_sections
-from aibrix_operators.localenv import REPO_ROOT
 from aibrix_operators.trust import (
     TrustPolicy,
     TrustViolation,
     connection_url,
     endpoint_form_problem,
-    local_development_policy,
     origin,
     parse_list,
     under_base,
@@ -37,7 +36,9 @@ def load_policy() -> TrustPolicy:
 
     values = {key: parse_list(conf.get(SECTION, key, fallback=None)) for key in KEYS}
     if all(v is None for v in values.values()):
-        return local_development_policy(REPO_ROOT)
+        return TrustPolicy(endpoints=(), storage=(), aws_conn_ids=(), inference_conn_ids=(),
+                           source=f"the deployment (it sets none of [{SECTION}] {', '.join(KEYS)}: "
+                                  "nothing is allowed until it does)")
     return TrustPolicy(
         endpoints=values["allowed_endpoints"] or (),
         storage=values["allowed_storage"] or (),
