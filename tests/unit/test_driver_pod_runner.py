@@ -203,6 +203,51 @@ def test_api_faults_on_create_conflict_is_retried_forbidden_fails_at_once(cluste
     assert "403" in str(info.value)
 
 
+# The API server's own 403 texts (its admission plugins and RBAC authorizer), as a real cluster
+# answers them: a 403 is not always missing rights (issue 37: the double used to answer only RBAC).
+REAL_403 = {
+    "quota": 'pods "aibrix-driver-x" is forbidden: exceeded quota: batch-quota, requested: '
+             "limits.memory=1Gi, used: limits.memory=4Gi, limited: limits.memory=4Gi",
+    "limit_range": 'pods "aibrix-driver-x" is forbidden: maximum memory usage per Container is 256Mi, '
+                   "but limit is 1Gi",
+    "pod_security": 'pods "aibrix-driver-x" is forbidden: violates PodSecurity "restricted:latest": '
+                    'seccompProfile (pod or container "driver" must set securityContext.seccompProfile'
+                    '.type to "RuntimeDefault" or "Localhost")',
+    "service_account": 'pods "aibrix-driver-x" is forbidden: error looking up service account '
+                       'batch/driver: serviceaccount "driver" not found',
+    "rbac": 'pods is forbidden: User "system:serviceaccount:airflow:worker" cannot create resource '
+            '"pods" in API group "" in the namespace "batch"',
+}
+
+
+@pytest.mark.service  # the cluster's kubelet runs pods as processes
+@pytest.mark.parametrize(("kind", "code", "retryable"), [
+    ("quota", "kubernetes_quota_exceeded", True),
+    ("limit_range", "kubernetes_pod_refused", False),
+    ("pod_security", "kubernetes_pod_refused", False),
+    ("service_account", "kubernetes_pod_refused", False),
+    ("rbac", "kubernetes_forbidden", False),
+])
+def test_a_403_on_create_says_which_refusal_it_is(cluster, kind: str, code: str, retryable: bool):
+    cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 403, times=10, message=REAL_403[kind])
+    with pytest.raises(DriverPodFailure) as info:
+        runner("pass").start(context())
+    assert (info.value.error_code, info.value.retryable) == (code, retryable)
+    assert REAL_403[kind] in str(info.value)  # what is full, or what policy refused, in the error
+    assert cluster.pods(NS) == []
+
+
+@pytest.mark.service  # the cluster's kubelet runs pods as processes
+def test_a_full_quota_fails_the_try_for_a_retry_which_creates_the_pod_once_it_frees(cluster):
+    full = cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 403, times=1, message=REAL_403["quota"])
+    with pytest.raises(DriverPodFailure) as info:
+        runner("pass").start(context())
+    assert info.value.retryable and full.hits == 1  # Airflow's retry, not a failure for good
+    # The quota freed (the fault answered once): the retried try creates the pod and defers.
+    deferred(runner("pass", try_number=2).start, context(2))
+    assert len(cluster.pods(NS)) == 1
+
+
 @pytest.mark.service  # the cluster's kubelet runs pods as processes
 def test_an_unpullable_image_fails_at_once_naming_it(cluster):
     r = runner("pass")

@@ -173,8 +173,14 @@ class BatchFailure(StrEnum):
     DRIVER_OUTCOME_MISSING = "driver_outcome_missing"
     # The driver pod failed otherwise (a signal, an unknown exit, no end); retry: yes, resumes.
     DRIVER_POD_FAILED = "driver_pod_failed"
-    # The Kubernetes API answered 401/403; retry: no, the identity needs the pod rights.
+    # The Kubernetes API answered 401/403 (RBAC); retry: no, the identity needs the pod rights.
     KUBERNETES_FORBIDDEN = "kubernetes_forbidden"
+    # The namespace's ResourceQuota had no room for the driver pod (a 403 "exceeded quota");
+    # retry: yes, the pod is created again once running pods free the quota.
+    KUBERNETES_QUOTA_EXCEEDED = "kubernetes_quota_exceeded"
+    # Admission refused the driver pod as specified (PodSecurity, a LimitRange, a missing
+    # ServiceAccount); retry: no, fix the driver-pod settings or the namespace's policy.
+    KUBERNETES_POD_REFUSED = "kubernetes_pod_refused"
     # Another Kubernetes API failure (after the provider's own retries); retry: yes.
     KUBERNETES_API_ERROR = "kubernetes_api_error"
 
