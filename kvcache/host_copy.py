@@ -70,14 +70,17 @@ def _run(copies: list[ChunkCopy]) -> list[int]:
     return out
 
 
-def host_threads() -> int:
-    """Threads for chunk copies: torch's intra-op thread count, but no more than the cores
-    this thread may run on (vLLM pins a CPU worker's threads to its bound cores)."""
+def usable_cores() -> int:
+    """The cores this thread may run on (vLLM pins a CPU worker's threads to its bound cores)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, torch.get_num_threads()))
+        return os.cpu_count() or 1
+
+
+def host_threads() -> int:
+    """Threads for chunk copies: torch's intra-op thread count, but no more than usable cores."""
+    return max(1, min(usable_cores(), torch.get_num_threads()))
 
 
 class ChunkCopier:

@@ -31,7 +31,7 @@ import torch
 
 from kvcache import codec, metrics
 from kvcache.config import KVCacheSettings
-from kvcache.host_copy import ChunkCopier, ChunkCopy, chunk_copy, host_array, host_threads
+from kvcache.host_copy import ChunkCopier, ChunkCopy, chunk_copy, host_array, host_threads, usable_cores
 from kvcache.keys import storage_key
 from kvcache.metadata import ChunkTransfer
 from kvcache.tiers import L2Store, RecordRefused, TierUnavailable
@@ -49,11 +49,7 @@ MAX_HASH_THREADS = 4
 
 
 def hash_threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_HASH_THREADS, cores))
+    return max(1, min(MAX_HASH_THREADS, usable_cores()))
 
 
 class LoadFailed(Exception):

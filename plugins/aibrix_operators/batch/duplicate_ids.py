@@ -25,23 +25,16 @@ def duplicate_ids(
     if not suspects:
         return []
     ids_at = ids_at_lines(reopen, suspects, max_line) if reopen else None
+    # Judged by the ids read back, or, when the file cannot be read again, by their hashes.
+    keys: dict[int, int] | dict[int, str] = ids_at if ids_at is not None else suspects
+    first: dict[object, int] = {}
     found: list[tuple[int, int, str | None]] = []
-    if ids_at is None:
-        first_line: dict[int, int] = {}
-        for n in sorted(suspects):
-            h = suspects[n]
-            if h in first_line:
-                found.append((n, first_line[h], None))
-            else:
-                first_line[h] = n
-        return found
-    first_seen: dict[str, int] = {}
-    for n in sorted(ids_at):
-        cid = ids_at[n]
-        if cid in first_seen:
-            found.append((n, first_seen[cid], cid))
+    for n in sorted(keys):
+        key = keys[n]
+        if key in first:
+            found.append((n, first[key], key if ids_at is not None else None))  # type: ignore[arg-type]
         else:
-            first_seen[cid] = n
+            first[key] = n
     return found
 
 
