@@ -69,7 +69,12 @@ def run_idle(argv: list[str]) -> int:
         procs.write_text(str(os.getpid()))
 
     try:
-        return subprocess.call(argv, preexec_fn=join_group)
+        # close_fds=False: the command inherits what it would without this wrapper, make's
+        # jobserver pipe among them (a sub-make that lost it warns and runs -j1).
+        return subprocess.call(argv, preexec_fn=join_group, close_fds=False)
+    except OSError as exc:  # not found, not executable: say so, as a shell would (127)
+        print(f"idle_cpu: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
     finally:
         try:
             group.rmdir()

@@ -64,3 +64,5 @@ def test_the_exit_status_is_the_commands() -> None:
         assert _wrapper(*exits_7).returncode == 2  # no idle class: refuses to run, says why
         return
     assert _wrapper(*exits_7).returncode == 7
+    missing = _wrapper("/nonexistent/command")
+    assert missing.returncode == 127 and "cannot run /nonexistent/command" in missing.stderr, missing

@@ -31,148 +31,73 @@ def _list(value: str | None) -> list[str]:
     return [v for v in (value or "").split(",") if v.strip()]
 
 
+def _option(p: argparse.ArgumentParser, flag: str, default: str | None = None, **kw) -> None:
+    """``flag``, defaulting to the environment's ``ROUTER_<FLAG>`` (the image's way in), else to
+    ``default``. A string default goes through the option's ``type`` as if given on the command
+    line, so a bad environment value is refused the way a bad flag is."""
+    name = "ROUTER_" + flag.removeprefix("--").upper().replace("-", "_")
+    p.add_argument(flag, default=os.environ.get(name) or default, **kw)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     env = os.environ.get
-    p.add_argument("--host", default=env("ROUTER_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(env("ROUTER_PORT", "8000")))
-    p.add_argument(
-        "--prefill",
-        action="append",
-        default=_list(env("ROUTER_PREFILL")),
-        help="prefill instance URL[#pod-set]; repeatable (env ROUTER_PREFILL, comma-separated)",
-    )
-    p.add_argument(
-        "--decode",
-        action="append",
-        default=_list(env("ROUTER_DECODE")),
-        help="decode instance URL[#pod-set]; repeatable (env ROUTER_DECODE, comma-separated)",
-    )
-    p.add_argument(
-        "--prefill-dns", default=env("ROUTER_PREFILL_DNS"), help="HOST:PORT of prefill's headless Service"
-    )
-    p.add_argument(
-        "--decode-dns", default=env("ROUTER_DECODE_DNS"), help="HOST:PORT of decode's headless Service"
-    )
-    p.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=float(env("ROUTER_HEALTH_INTERVAL_S", "1.0")),
-        help="seconds between health and load scrapes of every instance",
-    )
-    p.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=float(env("ROUTER_REQUEST_TIMEOUT_S", "600")),
-        help="seconds one upstream call may take",
-    )
-    p.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        default=float(env("ROUTER_IDLE_TIMEOUT_S", "30")),
-        help="seconds a client connection may go without a complete request before it is closed: "
-        "idle keep-alive connections and half-sent headers alike (default: %(default)s)",
-    )
-    p.add_argument(
-        "--body-timeout-s",
-        type=float,
-        default=float(env("ROUTER_BODY_TIMEOUT_S", "30")),
-        help="seconds a request body may take to arrive; slower is answered 408 and the connection "
-        "closed (default: %(default)s)",
-    )
-    p.add_argument(
-        "--shutdown-timeout-s",
-        type=float,
-        default=float(env("ROUTER_SHUTDOWN_TIMEOUT_S", "20")),
-        help="on SIGTERM, seconds requests in flight get to finish (the batch driver retries the rest)",
-    )
-    p.add_argument(
-        "--prefix-affinity",
-        choices=("on", "off"),
-        default=env("ROUTER_PREFIX_AFFINITY", "on"),
-        help="send requests with the same prompt prefix to the instance that took it last, unless it "
-        "is busier than the least-loaded by more than --affinity-slack (default: on)",
-    )
-    p.add_argument(
-        "--affinity-slack",
-        type=float,
-        default=float(env("ROUTER_AFFINITY_SLACK", str(DEFAULT_SLACK))),
-        help="load score (about one running request per unit) an instance holding the prefix may "
-        "carry above the least-loaded one and still be chosen (default: %(default)s)",
-    )
-    p.add_argument(
-        "--affinity-entries",
-        type=int,
-        default=int(env("ROUTER_AFFINITY_ENTRIES", str(DEFAULT_ENTRIES))),
-        help="prefix blocks (512 bytes of prompt each) remembered per role, least recently used "
-        "dropped first (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=int(env("ROUTER_MAX_CONNECTIONS", "4096")),
-        help="open client connections at most; past it a new one is answered 503 and closed, so one "
-        "client cannot hold every socket (default: %(default)s)",
-    )
-    p.add_argument(
-        "--online-first",
-        type=int,
-        default=int(env("ROUTER_ONLINE_FIRST", "0")),
-        metavar="N",
-        help="forward at most N requests at once; when full, online requests go first and batch ones "
-        "are answered 429 (the batch driver retries them). 0: off, every request forwarded at once "
-        "(docs/shared-capacity.md)",
-    )
-    p.add_argument(
-        "--batch-queue",
-        type=int,
-        default=int(env("ROUTER_BATCH_QUEUE", "256")),
-        help="batch requests that may wait for a slot; more are shed at once (default: %(default)s)",
-    )
-    p.add_argument(
-        "--batch-wait-s",
-        type=float,
-        default=float(env("ROUTER_BATCH_WAIT_S", "5")),
-        help="seconds a batch request may wait for a slot before it is shed (default: %(default)s)",
-    )
-    p.add_argument(
-        "--online-priority",
-        type=int,
-        default=int(env("ROUTER_ONLINE_PRIORITY", "0")),
-        help="without --class-header, a request whose body's priority is above this is batch "
-        "(default: %(default)s, vLLM's default)",
-    )
-    p.add_argument(
-        "--class-header",
-        default=env("ROUTER_CLASS_HEADER") or None,
-        help="a header the deployment's gateway sets (and overwrites) to 'batch' or 'online'; when "
-        "given, it alone decides the class",
-    )
-    p.add_argument(
-        "--preempt-batch",
-        choices=("on", "off"),
-        default=env("ROUTER_PREEMPT_BATCH", "on"),
-        help="with --online-first: an online request that finds the router full takes the newest "
-        "forwarded batch request's slot (its upstream call is cancelled, so vLLM aborts it; the client "
-        "gets 429 batch_shed and sends it again). Streamed answers are never taken back (default: on)",
-    )
-    p.add_argument(
-        "--admin-token-file",
-        default=env("ROUTER_ADMIN_TOKEN_FILE") or None,
-        help="a file (a mounted Secret) with the token POST /v1/load_lora_adapter must carry in the "
-        "X-AIBrix-Admin-Token header; without it that route is off (docs/trust.md)",
-    )
-    p.add_argument(
-        "--lora-registry",
-        default=env("ROUTER_LORA_REGISTRY") or None,
-        help="the deployment's adapter registry ([aibrix_batch] lora_adapters): only its adapters load",
-    )
-    p.add_argument(
-        "--lora-cache-dir",
-        default=env("ROUTER_LORA_CACHE_DIR") or None,
-        help="the adapters' verified cache as the instances see it ([aibrix_batch] lora_cache_dir): "
-        "an adapter loads only from <dir>/<name>/<manifest digest>",
-    )
+    _option(p, "--host", "0.0.0.0")
+    _option(p, "--port", "8000", type=int)
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}", action="append", default=_list(env(f"ROUTER_{role.upper()}")),
+                       help=f"{role} instance URL[#pod-set]; repeatable (env ROUTER_{role.upper()}, "
+                       "comma-separated)")
+        _option(p, f"--{role}-dns", help=f"HOST:PORT of {role}'s headless Service")
+    _option(p, "--health-interval-s", "1.0", type=float,
+            help="seconds between health and load scrapes of every instance")
+    _option(p, "--request-timeout-s", "600", type=float, help="seconds one upstream call may take")
+    _option(p, "--idle-timeout-s", "30", type=float,
+            help="seconds a client connection may go without a complete request before it is closed: "
+            "idle keep-alive connections and half-sent headers alike (default: %(default)s)")
+    _option(p, "--body-timeout-s", "30", type=float,
+            help="seconds a request body may take to arrive; slower is answered 408 and the connection "
+            "closed (default: %(default)s)")
+    _option(p, "--shutdown-timeout-s", "20", type=float,
+            help="on SIGTERM, seconds requests in flight get to finish (the batch driver retries the rest)")
+    _option(p, "--prefix-affinity", "on", choices=("on", "off"),
+            help="send requests with the same prompt prefix to the instance that took it last, unless it "
+            "is busier than the least-loaded by more than --affinity-slack (default: on)")
+    _option(p, "--affinity-slack", str(DEFAULT_SLACK), type=float,
+            help="load score (about one running request per unit) an instance holding the prefix may "
+            "carry above the least-loaded one and still be chosen (default: %(default)s)")
+    _option(p, "--affinity-entries", str(DEFAULT_ENTRIES), type=int,
+            help="prefix blocks (512 bytes of prompt each) remembered per role, least recently used "
+            "dropped first (default: %(default)s)")
+    _option(p, "--max-connections", "4096", type=int,
+            help="open client connections at most; past it a new one is answered 503 and closed, so one "
+            "client cannot hold every socket (default: %(default)s)")
+    _option(p, "--online-first", "0", type=int, metavar="N",
+            help="forward at most N requests at once; when full, online requests go first and batch ones "
+            "are answered 429 (the batch driver retries them). 0: off, every request forwarded at once "
+            "(docs/shared-capacity.md)")
+    _option(p, "--batch-queue", "256", type=int,
+            help="batch requests that may wait for a slot; more are shed at once (default: %(default)s)")
+    _option(p, "--batch-wait-s", "5", type=float,
+            help="seconds a batch request may wait for a slot before it is shed (default: %(default)s)")
+    _option(p, "--online-priority", "0", type=int,
+            help="without --class-header, a request whose body's priority is above this is batch "
+            "(default: %(default)s, vLLM's default)")
+    _option(p, "--class-header",
+            help="a header the deployment's gateway sets (and overwrites) to 'batch' or 'online'; when "
+            "given, it alone decides the class")
+    _option(p, "--preempt-batch", "on", choices=("on", "off"),
+            help="with --online-first: an online request that finds the router full takes the newest "
+            "forwarded batch request's slot (its upstream call is cancelled, so vLLM aborts it; the client "
+            "gets 429 batch_shed and sends it again). Streamed answers are never taken back (default: on)")
+    _option(p, "--admin-token-file",
+            help="a file (a mounted Secret) with the token POST /v1/load_lora_adapter must carry in the "
+            "X-AIBrix-Admin-Token header; without it that route is off (docs/trust.md)")
+    _option(p, "--lora-registry",
+            help="the deployment's adapter registry ([aibrix_batch] lora_adapters): only its adapters load")
+    _option(p, "--lora-cache-dir",
+            help="the adapters' verified cache as the instances see it ([aibrix_batch] lora_cache_dir): "
+            "an adapter loads only from <dir>/<name>/<manifest digest>")
     p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU (benchmarks)")
     args = p.parse_args(argv)
     if args.idle_timeout_s <= 0 or args.body_timeout_s <= 0:
