@@ -131,8 +131,10 @@ test:
 
 # The serial pass uses about one of two cores (2026-12-05: 46 % of the machine idle over its
 # six minutes), so the kvcache pass runs beside it in a cgroup with cpu.idle (tests/idle_cpu.py):
-# it takes only CPU the serial pass leaves, and the serial pass's tests see no more load than
-# alone. Where no idle class can be made (no root, no cpu.idle), one after the other. -O: each
+# it takes only CPU the serial pass leaves, so the serial tests compete for no more CPU than
+# alone (the deadline-order test took 132 s there in one run against 96-105 s before: cache and
+# memory are still shared). Where no idle class can be made (no root, no cpu.idle), one after the
+# other. -O: each
 # pass's output in one piece when it ends.
 test-serial-and-inference: setup
 	@if $(VENV)/bin/python -m tests.idle_cpu --check; then \
