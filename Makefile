@@ -134,8 +134,7 @@ test:
 # it takes only CPU the serial pass leaves, so the serial tests compete for no more CPU than
 # alone (the deadline-order test took 132 s there in one run against 96-105 s before: cache and
 # memory are still shared). Where no idle class can be made (no root, no cpu.idle), one after the
-# other. -O: each
-# pass's output in one piece when it ends.
+# other. -O: each pass's output in one piece when it ends.
 test-serial-and-inference: setup
 	@if $(VENV)/bin/python -m tests.idle_cpu --check; then \
 	  $(MAKE) --no-print-directory -j2 -O test-serial test-inference-idle; \
