@@ -61,6 +61,17 @@ def make_idle_group(name: str) -> Path:
     return group
 
 
+def _call(argv: list[str], preexec_fn=None) -> int:
+    """Run the command; its exit status."""
+    try:
+        # close_fds=False: the command inherits what it would without this wrapper, make's
+        # jobserver pipe among them (a sub-make that lost it warns and runs -j1).
+        return subprocess.call(argv, preexec_fn=preexec_fn, close_fds=False)
+    except OSError as exc:  # not found, not executable: say so, as a shell would (127)
+        print(f"idle_cpu: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
 def run_idle(argv: list[str]) -> int:
     group = make_idle_group(f"aibrix-suite-idle-{os.getpid()}")
     procs = group / "cgroup.procs"
@@ -69,12 +80,7 @@ def run_idle(argv: list[str]) -> int:
         procs.write_text(str(os.getpid()))
 
     try:
-        # close_fds=False: the command inherits what it would without this wrapper, make's
-        # jobserver pipe among them (a sub-make that lost it warns and runs -j1).
-        return subprocess.call(argv, preexec_fn=join_group, close_fds=False)
-    except OSError as exc:  # not found, not executable: say so, as a shell would (127)
-        print(f"idle_cpu: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
-        return 127
+        return _call(argv, join_group)
     finally:
         try:
             group.rmdir()
@@ -102,7 +108,7 @@ def main(argv: list[str]) -> int:
             print(f"idle_cpu: {exc}", file=sys.stderr)
             return 2
         print(f"idle_cpu: {exc}; running it at the usual priority", file=sys.stderr)
-        return subprocess.call(command)
+        return _call(command)
 
 
 if __name__ == "__main__":
