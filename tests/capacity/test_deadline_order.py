@@ -1,7 +1,8 @@
-"""The cluster policy that queues batch runs earliest deadline first (deadline_order.py)."""
+"""The cluster policy that queues batch runs earliest deadline first (scheduling/deadline_order.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -10,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from aibrix_operators import deadline_order
+from aibrix_operators.localenv import airflow_env
+from aibrix_operators.scheduling import deadline_order
 
 NOW = datetime(2026, 12, 2, 1, 0, tzinfo=UTC)
 
@@ -46,21 +48,26 @@ def test_a_run_without_a_dag_run_or_with_a_bad_window_is_left_alone() -> None:
     assert _weight("dispatch", {"completion_window": "soon"}) is None
 
 
-def test_the_package_registers_the_policy_with_airflow() -> None:
-    names = {ep.value for ep in entry_points(group="airflow.policy")}
-    assert "aibrix_operators.deadline_order" in names
+def test_the_package_registers_no_policy_behind_the_deployments_back() -> None:
+    # One registration, in the deployment's airflow_local_settings.py: an entry point too would
+    # run the hook twice, and alone it is skipped when a run's task instances are created.
+    assert [ep.value for ep in entry_points(group="airflow.policy")] == []
 
 
 @pytest.mark.service
-def test_airflow_calls_the_hook_when_a_run_is_created() -> None:
-    # A fresh process, as Airflow's components start: airflow first, which loads the entry point.
-    # Without airflow_local_settings.py Airflow would mark the hook a no-op and skip it when a run's
-    # task instances are created (deadline_order._mark_hook_live).
+def test_airflow_registers_the_hook_from_the_deployments_local_settings(tmp_path) -> None:
+    # A fresh process, as Airflow's components start, with the local stack's plugins folder
+    # (where plugins/airflow_local_settings.py lies; the image copies it to $AIRFLOW_HOME/config).
     probe = (
         "from airflow import settings\n"
         "impls = settings.get_policy_plugin_manager().hook.task_instance_mutation_hook.get_hookimpls()\n"
-        "print(settings.task_instance_mutation_hook.is_noop, sorted(h.plugin_name for h in impls))\n"
+        "print(settings.task_instance_mutation_hook.is_noop, sorted(h.function.__module__ for h in impls))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    env = {**airflow_env(tmp_path / "home"), "PATH": os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False ['aibrix_batch_deadline_order']"
+    assert out.stdout.strip().splitlines()[-1] == "False ['aibrix_operators.scheduling.deadline_order']"
+    # Without the local settings Airflow would skip the hook at run creation: the probe sees it.
+    bare = {**env, "AIRFLOW__CORE__PLUGINS_FOLDER": str(tmp_path / "no-plugins")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=bare)
+    assert out.stdout.strip().splitlines()[-1] == "True []", out.stderr[-2000:]

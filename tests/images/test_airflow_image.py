@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from aibrix_operators.airflow_recovery import RECOVERY_ENV
 from aibrix_operators.localenv import EXECUTOR
+from aibrix_operators.scheduling.recovery import RECOVERY_ENV
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
@@ -20,6 +20,13 @@ pytestmark = pytest.mark.e2e
 
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
 EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic"}
+# Which cluster policies Airflow registered, and whether it calls the mutation hook when a run's
+# task instances are created (it skips a hook it marks a no-op).
+POLICY_PROBE = (
+    "from airflow import settings; "
+    "impls = settings.get_policy_plugin_manager().hook.task_instance_mutation_hook.get_hookimpls(); "
+    "print(settings.task_instance_mutation_hook.is_noop, sorted(h.function.__module__ for h in impls))"
+)
 RECOVERY_KEYS = [k.removeprefix("AIRFLOW__SCHEDULER__").lower() for k in RECOVERY_ENV]
 
 
@@ -36,7 +43,8 @@ def inside(airflow_image):
         " printf '%s=' $key; airflow config get-value scheduler $key 2>/dev/null | tail -1; done;"
         " echo '@@executor'; airflow config get-value core executor 2>/dev/null | tail -1;"
         " python -c 'from airflow.executors.executor_loader import ExecutorLoader as L;"
-        " print(type(L.get_default_executor()).__name__)'"
+        " print(type(L.get_default_executor()).__name__)';"
+        " echo '@@policy'; python -c '" + POLICY_PROBE + "'"
     )
     proc = run(airflow_image, "-c", script, flags=BASH, timeout=600)
     assert proc.returncode == 0, (
@@ -91,6 +99,11 @@ def test_the_image_runs_tasks_on_the_slot_keeping_executor(inside):
     assert lines == [EXECUTOR, "SlotKeepingLocalExecutor"], inside["executor"]
 
 
+def test_the_image_registers_the_deadline_policy_through_local_settings(inside):
+    # $AIRFLOW_HOME/config/airflow_local_settings.py, Airflow's own place for cluster policies.
+    assert inside["policy"].splitlines()[-1] == "False ['aibrix_operators.scheduling.deadline_order']"
+
+
 def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):
     port = free_port()
     script = f"airflow db migrate >/dev/null && exec airflow api-server --port {port} --host 127.0.0.1"
@@ -110,3 +123,45 @@ def test_the_batch_api_answers_in_an_api_server_from_the_image(airflow_image):
             urllib.request.urlopen(base + "/openai/v1/batches", timeout=10)
         assert refused.value.code == 401
         assert json.load(refused.value)["error"]["type"]
+
+
+def test_the_image_starts_as_a_celery_worker_and_as_an_edge_worker(airflow_image):
+    """The shipped image is the workers' image too (docs/deploy.md's Helm values): `airflow celery
+    worker` reaches a Redis broker and PostgreSQL and says it is ready; `airflow edge worker`
+    registers with an api-server (also from the image) over HTTP alone."""
+    from tests.integration.cluster_services import postgres, redis_broker
+
+    with postgres() as db, redis_broker() as broker:
+        common = ["-e", f"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN={db.url()}",
+                  "-e", "AIRFLOW__API_AUTH__JWT_SECRET=image-worker-test-secret"]  # fmt: skip
+        migrated = run(airflow_image, "-c", "airflow db migrate", flags=[*BASH, *common], timeout=600)
+        assert migrated.returncode == 0, last_error_line(migrated)
+        celery = [*BASH, *common, "-e", "AIRFLOW__CORE__EXECUTOR=CeleryExecutor",
+                  "-e", f"AIRFLOW__CELERY__BROKER_URL={broker}",
+                  "-e", f"AIRFLOW__CELERY__RESULT_BACKEND=db+{db.url()}",
+                  "-e", "AIRFLOW__CELERY__WORKER_CONCURRENCY=1"]  # fmt: skip
+        script = "exec airflow celery worker --without-mingle --without-gossip"
+        with Detached(airflow_image, "-c", script, flags=celery) as worker:
+            worker.wait_until(lambda: " ready." in worker.logs(), 300, "a Celery worker from the image")
+
+        port = free_port()
+        edge_env = ["-e", "AIRFLOW__CORE__EXECUTOR=airflow.providers.edge3.executors.EdgeExecutor",
+                    "-e", "AIRFLOW__EDGE__API_ENABLED=True",
+                    "-e", f"AIRFLOW__EDGE__API_URL=http://127.0.0.1:{port}/edge_worker/v1/rpcapi",
+                    "-e", "AIRFLOW__API_AUTH__JWT_SECRET=image-worker-test-secret"]  # fmt: skip
+        edge = [*BASH, "-e", f"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN={db.url()}", *edge_env]
+        api = f"exec airflow api-server --port {port} --host 127.0.0.1"
+        with Detached(airflow_image, "-c", api, flags=edge) as server:
+            server.wait_until(answers_200(f"http://127.0.0.1:{port}/api/v2/monitor/health"), 300,
+                              "api-server from the image")  # fmt: skip
+            worker_flags = [*BASH, *edge_env]  # no database: the api-server is all an Edge worker reaches
+            with Detached(airflow_image, "-c", "exec airflow edge worker --concurrency 1 --edge-hostname "
+                          "image-edge", flags=worker_flags) as worker:  # fmt: skip
+                import psycopg
+
+                def registered() -> bool:
+                    with psycopg.connect(db.url()) as conn:
+                        rows = conn.execute("SELECT state FROM edge_worker WHERE worker_name = 'image-edge'")
+                        return [r[0] for r in rows] in (["idle"], ["running"])
+
+                worker.wait_until(registered, 300, "an Edge worker from the image registered")

@@ -11,11 +11,12 @@ import multiprocessing
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 from airflow.executors.local_executor import LocalExecutor
 from airflow.models.taskinstancekey import TaskInstanceKey
 from airflow.utils.state import TaskInstanceState
 
-from aibrix_operators.slot_keeping_executor import SlotKeepingLocalExecutor
+from aibrix_operators.scheduling.slot_keeping_executor import SlotKeepingLocalExecutor
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,32 @@ def test_the_deployments_executor_name_is_this_class() -> None:
     module, name = EXECUTOR.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is SlotKeepingLocalExecutor
     assert airflow_env()["AIRFLOW__CORE__EXECUTOR"] == EXECUTOR
+
+
+@pytest.mark.service
+def test_an_airflow_it_was_not_verified_on_stops_the_scheduler_with_what_to_do(tmp_path) -> None:
+    """The class leans on how LocalExecutor behaves: on an Airflow it was not verified on, loading
+    the executor (the scheduler's first step) fails with the way forward, not at a result read."""
+    import os
+    import subprocess
+    import sys
+
+    from aibrix_operators.localenv import airflow_env
+
+    # The deployment's configuration names the executor; the scheduler loads it by that name.
+    env = {**airflow_env(tmp_path / "home"), "PATH": os.environ["PATH"]}
+
+    probe = (
+        "import airflow; airflow.__version__ = '{}'\n"
+        "from airflow.executors.executor_loader import ExecutorLoader\n"
+        "ExecutorLoader.get_default_executor()\n"
+        "print('loaded')\n"
+    )
+    newer = subprocess.run([sys.executable, "-c", probe.format("3.4.0")], capture_output=True, text=True,
+                           timeout=120, env=env)  # fmt: skip
+    assert newer.returncode != 0 and "loaded" not in newer.stdout
+    assert "verified on Airflow 3.3, and Airflow 3.4.0 is installed" in newer.stderr, newer.stderr[-2000:]
+    assert "test_airflows_own_local_executor_frees_the_slot_at_dispatch" in newer.stderr
+    verified = subprocess.run([sys.executable, "-c", probe.format("3.3.9")], capture_output=True,
+                              text=True, timeout=120, env=env)  # fmt: skip
+    assert verified.stdout.strip().splitlines()[-1] == "loaded", verified.stderr[-2000:]

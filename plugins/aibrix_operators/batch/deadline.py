@@ -2,7 +2,7 @@
 
 OpenAI's window starts when the batch is created, and so does ours, whoever reads it: the Batch
 API's ``expires_at`` and its status line, the deadline weights that order batches in Airflow's
-queues (``deadline_order.py``), and the drivers, which stop sending at it (``batch.json``'s
+queues (``scheduling/deadline_order.py``), and the drivers, which stop sending at it (``batch.json``'s
 ``expires_at``, from ``validate_batch``). A batch that waits two hours for a worker has two
 hours less to run, not two hours more than it was shown.
 

@@ -9,7 +9,7 @@ replaces it in every mode:
 - **shared mode**: the deployment's batch priority (``[aibrix_batch] shared_batch_priority``,
   above the online priority: online requests go first);
 - **dedicated mode**: ``DEDICATED_PRIORITY``, vLLM's default 0, the same for every batch (an
-  FCFS server accepts only 0; deadline order across batches is Airflow's: deadline_order.py).
+  FCFS server accepts only 0; deadline order across batches is Airflow's: scheduling/deadline_order.py).
 
 Every endpoint the pipeline sends to has the field in vLLM's request schema. docs/trust.md
 ("batch priorities") has the rule and its test.

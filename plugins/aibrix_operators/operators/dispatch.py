@@ -38,9 +38,9 @@ from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.lora.serving import AdapterLoadFailed, ensure_adapter
 from aibrix_operators.operators.batch_metrics import shard_finished
 from aibrix_operators.operators.memory import release_freed_memory
-from aibrix_operators.operators.shard_turns import wait_for_turn
 from aibrix_operators.operators.step_errors import records_step_error
 from aibrix_operators.router.admin import AdminConfigError
+from aibrix_operators.scheduling.shard_turns import wait_for_turn
 from aibrix_operators.settings.capacity import capacity_for
 from aibrix_operators.settings.driver_pods import load_driver_pod_settings
 from aibrix_operators.settings.job_pool import load_job_pool_limits
@@ -172,7 +172,7 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
     :param capacity_mode: Empty (the deployment's mode for the endpoint), ``shared`` or ``dedicated``;
         only a restatement of ``[aibrix_batch] shared_endpoints`` (docs/shared-capacity.md). (templated)
     :param max_workers: Shards of this batch dispatched at once; empty: no cap of the batch's own
-        (``operators/shard_turns.py``). (templated)
+        (``scheduling/shard_turns.py``). (templated)
     :param memory_per_job: kubernetes mode: the driver pod's memory request and limit; empty: the
         deployment's ``driver_memory_*``. (templated)
     """

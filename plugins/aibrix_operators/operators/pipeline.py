@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 from airflow.sdk import Param
 
-from aibrix_operators.airflow_recovery import dispatch_retry_policy
 from aibrix_operators.batch.job_pool import KEYS as POOL_KEYS
 from aibrix_operators.batch.lifecycle import Step
 from aibrix_operators.batch.records import (
@@ -36,6 +35,7 @@ from aibrix_operators.operators.batch import (
     ValidateBatchOperator,
 )
 from aibrix_operators.operators.dispatch import DispatchShardOperator
+from aibrix_operators.scheduling.recovery import dispatch_retry_policy
 from aibrix_operators.sensors import AutoscaleSensor, RolesReadySensor, ScaleDownOperator
 from aibrix_operators.settings.driver_pods import dispatch_pool
 
@@ -207,7 +207,7 @@ def add_batch_tasks(
         # Bounds concurrent dispatch tasks, and so driver pods (create it with --include-deferred:
         # a deferred task waiting on its pod must keep its slot). default_pool unless configured.
         pool=dispatch_pool(),
-        # Retries resume from checkpoints; sized for node losses (airflow_recovery.py).
+        # Retries resume from checkpoints; sized for node losses (scheduling/recovery.py).
         **dispatch_retry_policy(),
     ).expand(shard=split.output)  # fmt: skip
     merge = MergeBatchOperator(task_id=Step.MERGE.value, validated=validate.output, shards=split.output,

@@ -3,7 +3,7 @@
     [aibrix_batch]
     min_completion_window = 1h       # default 1h; a duration like 1h, 90m, 3600s
 
-Batches are ordered by their deadline (``deadline_order.py``, and permits within a driver), so a
+Batches are ordered by their deadline (``scheduling/deadline_order.py``, and permits within a driver), so a
 batch with a tiny window would always go first; the floor keeps that lever fair between tenants.
 The Batch API (400, param ``completion_window``), the DAG's validate step (the batch fails with
 ``invalid_completion_window``) and the drop zone's settings all check it.
