@@ -63,6 +63,11 @@ system-packages:
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install redis-server (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+	@# iproute2 (ip netns), util-linux (unshare), iptables: the multi-node tier's worker nodes and
+	@# their partitions (tests/scaleout/netns.py)
+	@command -v ip >/dev/null && command -v unshare >/dev/null && command -v iptables >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install iproute2 util-linux iptables (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq iproute2 util-linux iptables >/dev/null; \
+	  else echo "iproute2 is missing: sudo apt-get install iproute2 util-linux iptables" >&2; exit 1; fi; }
 	@# fuse3 (fusermount3, libfuse3): the kvcache shared-tier test mounts a file system whose reads hang
 	@command -v fusermount3 >/dev/null && ldconfig -p | grep -q libfuse3 || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "setup: apt-get install fuse3 (system packages the tests use)"; apt-get update -qq && apt-get install -y -qq fuse3 >/dev/null; \

