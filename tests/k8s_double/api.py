@@ -8,7 +8,7 @@ It keeps objects in memory and serves the REST shapes the ``kubernetes`` and
   create (POST), get, list (``labelSelector``, ``fieldSelector``), watch
   (``?watch=true``, ``resourceVersion``, ``timeoutSeconds``), patch (JSON merge /
   strategic merge treated as a merge), replace (PUT), delete; ``status`` as a
-  subresource of any object;
+  subresource of any object; a write carrying a stale ``metadata.resourceVersion`` is a 409;
 * ``pods/{name}/log`` (``container``, ``follow``, ``timestamps``, ``tailLines``,
   ``sinceSeconds``) from lines a kubelet appends with ``append_log``;
 * pod deletion with a grace period: while a kubelet runs the pod, DELETE only sets
@@ -16,8 +16,10 @@ It keeps objects in memory and serves the REST shapes the ``kubernetes`` and
 
 Bearer-token auth (401 otherwise) and injected faults (``fail``: a status for the
 next N matching requests; ``stall_watches``: watches that send nothing) let tests
-drive the clients' error paths. Not modelled: admission, RBAC rules, field
-validation, server-side apply, json-patch.
+drive the clients' error paths. Admission: a pod create over a namespace's ResourceQuota
+is refused with the API server's own 403 text (``quota.py``). Authorization: with ``rbac`` set
+(``rbac.py``, from the rendered Roles), a request no rule allows is refused as RBAC refuses it.
+Not modelled: other admission plugins, field validation, server-side apply, json-patch.
 
 Thread safety: the server runs on its own event loop (``FakeCluster`` starts it in
 a thread); ``ObjectStore`` methods may be called from any thread.
@@ -39,6 +41,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.k8s_double import quota, rbac
+
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # (resource path prefix incl. plural, namespace, name)
 
@@ -49,6 +53,7 @@ _KINDS = {
     "configmaps": "ConfigMap",
     "services": "Service",
     "serviceaccounts": "ServiceAccount",
+    "resourcequotas": "ResourceQuota",
 }
 
 
@@ -198,6 +203,11 @@ class ObjectStore:
             meta.setdefault("labels", {})
             plural = prefix.rsplit("/", 1)[-1]
             if plural == "pods":
+                try:  # the quota admission plugin, before anything is stored
+                    quota.admit_pod(self.list(quota.QUOTAS, namespace), self.list(prefix, namespace),
+                                    key[2], obj)  # fmt: skip
+                except quota.QuotaExceeded as exc:
+                    raise ApiError(403, "Forbidden", str(exc)) from None
                 obj.setdefault("status", {}).setdefault("phase", "Pending")
                 obj["spec"].setdefault("restartPolicy", "Always")
             self._objects[key] = obj
@@ -216,13 +226,23 @@ class ObjectStore:
                 if p == prefix and (namespace is None or ns == namespace)
             ]
 
-    def update(self, prefix: str, namespace: str, name: str, change: Callable[[Obj], Obj | None]) -> Obj:
-        """Apply ``change`` (mutate in place or return a replacement) and publish MODIFIED."""
+    def update(
+        self, prefix: str, namespace: str, name: str, change: Callable[[Obj], Obj | None],
+        expect_version: str | None = None,
+    ) -> Obj:
+        """Apply ``change`` (mutate in place or return a replacement) and publish MODIFIED.
+        With ``expect_version`` (a write that carries ``metadata.resourceVersion``), a stored
+        object that changed since is a 409 Conflict, as the API server's optimistic concurrency."""
         with self._lock:
             key = (prefix, namespace, name)
             obj = self._objects.get(key)
+            plural = prefix.rsplit("/", 1)[-1]
             if obj is None:
-                raise ApiError(404, "NotFound", f'{prefix.rsplit("/", 1)[-1]} "{name}" not found')
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            if expect_version is not None and obj["metadata"]["resourceVersion"] != expect_version:
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the '
+                               "object has been modified; please apply your changes to the latest version "
+                               "and try again")  # fmt: skip
             new = change(obj)
             if new is not None:
                 new["metadata"] = {**obj["metadata"], **new.get("metadata", {})}
@@ -306,6 +326,9 @@ class ApiServerDouble:
     # Called with (namespace, name) when a pod is deleted; returns True if a kubelet will
     # finish the deletion (graceful), False to remove the object at once.
     on_pod_delete: Callable[[str, str, int | None], bool] | None = None
+    # RBAC: when set, every request is authorized against these rules (rbac.py), as the
+    # identity the test's token stands for; None admits everything the token may reach.
+    rbac: rbac.Authorizer | None = None
     _faults: list[Fault] = field(default_factory=list)
     _stall_watches: re.Pattern[str] | None = None
 
@@ -345,6 +368,10 @@ class ApiServerDouble:
         self.store.requests.append((request.method, target))
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status_body(401, "Unauthorized", "Unauthorized"), status=401)
+        if self.rbac is not None:
+            wanted = rbac.attributes(request.method, request.path, dict(request.query))
+            if wanted is not None and not self.rbac.allows(wanted):
+                return web.json_response(status_body(403, "Forbidden", self.rbac.refusal(wanted)), status=403)
         if fault := self._fault_for(request.method, target):
             return web.json_response(
                 status_body(
@@ -412,7 +439,8 @@ class ApiServerDouble:
                     return {**body, "status": obj.get("status", body.get("status"))}
                 return merge_patch(obj, body)
 
-            return web.json_response(self.store.update(prefix, ns, name, change))
+            expect = (body.get("metadata") or {}).get("resourceVersion")
+            return web.json_response(self.store.update(prefix, ns, name, change, expect_version=expect))
         if method == "DELETE":
             obj = self.store.get(prefix, ns, name)
             if obj is None:

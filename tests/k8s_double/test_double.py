@@ -188,3 +188,37 @@ def test_async_client_reads_and_watch_can_stall(fake_cluster) -> None:  # noqa: 
 
     phase_logs, events = asyncio.run(main())
     assert phase_logs == "Succeeded|hello" and events == 0
+
+
+def test_the_quota_admission_answers_as_the_api_server_does() -> None:
+    from tests.k8s_double.quota import QuotaExceeded, admit_pod
+
+    def pod(memory: str, phase: str = "Running") -> dict:
+        limits = {"memory": memory, "cpu": "500m"}
+        return {"spec": {"containers": [{"resources": {"limits": limits}}]}, "status": {"phase": phase}}
+
+    hard = {"limits.memory": "4Gi", "limits.cpu": "4"}
+    quota = {"metadata": {"name": "batch-quota"}, "spec": {"hard": hard}}
+    running = [pod("2Gi"), pod("2048Mi"), pod("8Gi", phase="Succeeded")]  # a finished pod counts nothing
+    with pytest.raises(QuotaExceeded) as info:
+        admit_pod([quota], running, "aibrix-driver-x", pod("1Gi"))
+    # The kube-apiserver's text (the one tests/unit/test_driver_pod_runner.py's REAL_403 quotes).
+    assert str(info.value) == ('pods "aibrix-driver-x" is forbidden: exceeded quota: batch-quota, requested: '
+                               "limits.memory=1Gi, used: limits.memory=4Gi, limited: limits.memory=4Gi")
+    admit_pod([quota], running[1:], "aibrix-driver-x", pod("1Gi"))  # 2Gi + 1Gi fits
+
+
+@pytest.mark.service
+def test_a_write_with_a_stale_resource_version_is_a_conflict(fake_cluster) -> None:  # noqa: F811
+    api = core(fake_cluster)
+    fake_cluster.api.store.create("/api/v1/configmaps", NS, {"metadata": {"name": "c"}, "data": {"k": "1"}})
+    read = api.read_namespaced_config_map("c", NS)
+    api.patch_namespaced_config_map("c", NS, {"data": {"k": "2"}})  # someone else writes meanwhile
+    with pytest.raises(ApiException) as info:
+        stale = {"metadata": {"resourceVersion": read.metadata.resource_version}, "data": {"k": "3"}}
+        api.patch_namespaced_config_map("c", NS, stale)
+    assert info.value.status == 409 and "the object has been modified" in info.value.body
+    fresh = api.read_namespaced_config_map("c", NS)
+    current = {"metadata": {"resourceVersion": fresh.metadata.resource_version}, "data": {"k": "3"}}
+    api.patch_namespaced_config_map("c", NS, current)
+    assert api.read_namespaced_config_map("c", NS).data == {"k": "3"}

@@ -1,13 +1,11 @@
 """The shared Kubernetes API double (``tests/k8s_double``) plus what scaling needs of it.
 
-``tests/k8s_double`` serves any namespaced resource, auth and injected faults; it does
-not model two things the actuator depends on, added here by subclassing (its package
-stays untouched):
+``tests/k8s_double`` serves any namespaced resource, auth, injected faults and optimistic
+concurrency (a stale ``metadata.resourceVersion`` is a 409); it does not model one thing the
+actuator depends on, added here by subclassing:
 
 * the ``scale`` subresource of Deployments/StatefulSets (``autoscaling/v1`` Scale:
   GET, and PATCH that writes ``spec.replicas`` of the workload);
-* optimistic concurrency: a PATCH whose body carries ``metadata.resourceVersion``
-  different from the stored one is answered 409 Conflict, as the kube-apiserver does.
 
 ``before_patch`` (a callable run before each PATCH) lets a test play a concurrent
 writer between the actuator's read and its write.
@@ -24,7 +22,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.k8s_double.api import ApiError, ApiServerDouble, merge_patch, status_body
+from tests.k8s_double.api import ApiError, ApiServerDouble, merge_patch
 from tests.k8s_double.cluster import FakeCluster
 
 _SCALE = re.compile(
@@ -39,17 +37,8 @@ class ScalingApiDouble(ApiServerDouble):
     async def _route(self, request: web.Request) -> web.StreamResponse:
         if m := _SCALE.match(request.path):
             return await self._scale(request, m["ns"], m["plural"], m["name"])
-        if request.method == "PATCH" and (m := _ANY.match(request.path)):
-            if self.before_patch:
-                self.before_patch(request.path)
-            body = await request.json()
-            want = (body.get("metadata") or {}).get("resourceVersion")
-            prefix = request.path.rsplit("/namespaces/", 1)[0] + "/" + m["plural"]
-            obj = self.store.get(prefix, m["ns"], m["name"])
-            if want is not None and obj is not None and obj["metadata"]["resourceVersion"] != want:
-                return web.json_response(status_body(
-                    409, "Conflict", f'Operation cannot be fulfilled on {m["plural"]} "{m["name"]}": the '
-                    "object has been modified; please apply your changes to the latest version"), status=409)
+        if request.method == "PATCH" and _ANY.match(request.path) and self.before_patch:
+            self.before_patch(request.path)  # a concurrent writer; the base double then answers 409
         return await super()._route(request)
 
     async def _scale(self, request: web.Request, ns: str, plural: str, name: str) -> web.Response:

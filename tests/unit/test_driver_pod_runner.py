@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -20,7 +23,10 @@ from aibrix_operators.driver_pods.outcome import DriverPodFailure
 from aibrix_operators.driver_pods.spec import DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.driver_pod import REDEFERS_KEY, RESUME_METHOD, DriverPodRunner
 from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, process_cluster  # noqa: F401 - fixture
+from tests.k8s_double.quota import QUOTAS
+from tests.k8s_double.rbac import Authorizer
 from tests.unit.test_driver_pods import NOW, REQ
+from tests.unit.test_k8s_manifests import render
 
 NS = "batch"
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -126,6 +132,39 @@ def test_a_pod_is_created_deferred_on_the_provider_trigger_and_judged(cluster, c
     assert verdict.failure is None and verdict.outcome["completed"] == 2
     assert "[base] working" in caplog.text
     cluster.wait_for(lambda: cluster.pods(NS) == [], 10, "the finished pod deleted")
+
+
+@pytest.mark.service  # the cluster's kubelet runs pods as processes; kubectl renders the Roles
+def test_the_roles_we_ship_grant_every_call_of_a_shard_and_no_more(cluster):
+    """The double authorizes each request against the Roles the plain overlay renders, bound to
+    the Airflow workers' ServiceAccount: a shard's whole life (create, the provider trigger's
+    reads, the log, the delete) passes; a Role without ``delete`` on pods leaves the call refused
+    with RBAC's own text."""
+    docs = [dict(d) for d in render("plain")]
+    cluster.api.rbac = Authorizer.from_manifests(docs, "aibrix-batch-airflow", NS)
+    code = f"import json; print(json.dumps({OUTCOME!r}))"
+    ctx = context()
+    deferral = deferred(runner(code).start, ctx)
+    event = fire(deferral.trigger)
+    assert event["status"] == "success", event
+    assert runner(code).finish(ctx, event).failure is None
+    cluster.wait_for(lambda: cluster.pods(NS) == [], 10, "the finished pod deleted")
+    assert [r for r in cluster.api.store.requests if r[0] == "DELETE"], "the pod went through the API"
+
+    # Mutation: the same Roles without delete on pods. The API says who may not do what.
+    for doc in docs:
+        for rule in doc.get("rules", []) if doc["kind"] == "Role" else []:
+            if "pods" in rule["resources"]:
+                rule["verbs"] = [v for v in rule["verbs"] if v != "delete"]
+    cluster.api.rbac = Authorizer.from_manifests(docs, "aibrix-batch-airflow", NS)
+    request = urllib.request.Request(f"{cluster.url}/api/v1/namespaces/{NS}/pods/any-pod", method="DELETE",
+                                     headers={"Authorization": f"Bearer {cluster.api.token}"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 403
+    assert json.load(info.value)["message"] == (
+        'pods "any-pod" is forbidden: User "system:serviceaccount:batch:aibrix-batch-airflow" cannot delete '
+        'resource "pods" in API group "" in the namespace "batch"')
 
 
 @pytest.mark.service
@@ -239,13 +278,27 @@ def test_a_403_on_create_says_which_refusal_it_is(cluster, kind: str, code: str,
 
 @pytest.mark.service  # the cluster's kubelet runs pods as processes
 def test_a_full_quota_fails_the_try_for_a_retry_which_creates_the_pod_once_it_frees(cluster):
-    full = cluster.api.fail("POST", rf"/namespaces/{NS}/pods$", 403, times=1, message=REAL_403["quota"])
+    """The double's quota admission, not an injected answer: a namespace allowed one pod, that
+    pod running; the shard's try fails retryable naming what is full; once the pod ends the
+    quota frees, and the retry's pod is created and runs."""
+    cluster.api.store.create(QUOTAS, NS, {"metadata": {"name": "batch-quota"},
+                                          "spec": {"hard": {"pods": "1", "requests.memory": "64Gi"}}})
+    sleeper = runner("import time; time.sleep(300)")
+    blocker = ApiClient().sanitize_for_serialization(sleeper.pod_request(context()))
+    blocker["metadata"].update(name="someone-elses-pod", labels={"app": "other"})
+    cluster.api.store.create("/api/v1/pods", NS, blocker)
+    cluster.wait_for(lambda: cluster.kubelet.running(NS), 30, "the other pod running")
     with pytest.raises(DriverPodFailure) as info:
         runner("pass").start(context())
-    assert info.value.retryable and full.hits == 1  # Airflow's retry, not a failure for good
-    # The quota freed (the fault answered once): the retried try creates the pod and defers.
-    deferred(runner("pass", try_number=2).start, context(2))
-    assert len(cluster.pods(NS)) == 1
+    assert (info.value.error_code, info.value.retryable) == ("kubernetes_quota_exceeded", True)
+    assert "exceeded quota: batch-quota, requested: pods=1, used: pods=1, limited: pods=1" in str(info.value)
+    assert [p["metadata"]["name"] for p in cluster.pods(NS)] == ["someone-elses-pod"]
+    cluster.kubelet.kill(NS, "someone-elses-pod")
+    cluster.wait_for(lambda: cluster.api.store.get("/api/v1/pods", NS, "someone-elses-pod")["status"]["phase"]
+                     == "Failed", 30, "the other pod ended")  # fmt: skip
+    retry = deferred(runner("pass", try_number=2).start, context(2))
+    assert len(cluster.pods(NS)) == 2
+    assert fire(retry.trigger)["status"] == "success"
 
 
 @pytest.mark.service  # the cluster's kubelet runs pods as processes
