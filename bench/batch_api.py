@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench"
 sys.path.insert(0, str(REPO))  # tests.integration.services: the SeaweedFS starter the tests use
 
 BUCKET = "bench-batch-api"
@@ -70,9 +69,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency_summary(seconds: list[float], wall_s: float) -> dict[str, float]:
     """p50/p99/max in milliseconds and requests per second of one load run."""
-    return {"n": len(seconds), "p50_ms": percentile(seconds, 50) * 1e3,
-            "p99_ms": percentile(seconds, 99) * 1e3, "max_ms": max(seconds) * 1e3,
-            "rps": len(seconds) / wall_s if wall_s > 0 else 0.0}
+    return {
+        "n": len(seconds),
+        "p50_ms": percentile(seconds, 50) * 1e3,
+        "p99_ms": percentile(seconds, 99) * 1e3,
+        "max_ms": max(seconds) * 1e3,
+        "rps": len(seconds) / wall_s if wall_s > 0 else 0.0,
+    }
 
 
 def mb_per_s(nbytes: int, seconds: float) -> float:
@@ -89,7 +92,7 @@ def children_of(proc_root: Path) -> dict[int, list[int]]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue  # exited meanwhile
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
         tree.setdefault(ppid, []).append(int(entry.name))
     return tree
 
@@ -151,15 +154,18 @@ class RssSampler:
 def write_batch_file(path: Path, target_bytes: int | None = None, requests: int | None = None) -> int:
     """A chat-completions batch file of ``requests`` lines, or of about ``target_bytes``; the
     number of lines."""
-    template = ('{{"custom_id": "req-{i:07d}", "method": "POST", "url": "/v1/chat/completions", '
-                '"body": {{"model": "' + MODEL + '", "max_tokens": 16, "temperature": 0.0, '
-                '"messages": [{{"role": "user", "content": "item {i}: {text}"}}]}}}}\n')
+    template = (
+        '{{"custom_id": "req-{i:07d}", "method": "POST", "url": "/v1/chat/completions", '
+        '"body": {{"model": "' + MODEL + '", "max_tokens": 16, "temperature": 0.0, '
+        '"messages": [{{"role": "user", "content": "item {i}: {text}"}}]}}}}\n'
+    )
     text = "summarize the batch pipeline in one sentence, please, " * 4
     n = 0
     written = 0
     with open(path, "w") as fh:
-        while ((requests is not None and n < requests)
-               or (target_bytes is not None and written < target_bytes)):
+        while (requests is not None and n < requests) or (
+            target_bytes is not None and written < target_bytes
+        ):
             block = "".join(template.format(i=i, text=text) for i in range(n, n + 1000))
             if requests is not None:
                 block = "".join(block.splitlines(keepends=True)[: requests - n])
@@ -227,8 +233,12 @@ def start(work: Path, stub_delay: float, dag_conf: dict) -> Deployment:
     from aibrix_operators.serving.local_vllm import stop_process_group
     from tests.integration.services import start_seaweedfs
 
-    stub = subprocess.Popen([sys.executable, str(BENCH / "_arrival_stub.py"), "--delay", str(stub_delay)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    stub = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fake_openai.py"), "--delay", str(stub_delay)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     line = stub.stdout.readline()  # type: ignore[union-attr]
     assert line.startswith("PORT "), line
     stub_url = f"http://127.0.0.1:{int(line.split()[1])}"
@@ -238,15 +248,19 @@ def start(work: Path, stub_delay: float, dag_conf: dict) -> Deployment:
         s3.client().create_bucket(Bucket=BUCKET)
         home = work / "airflow-home"
         key = "sk-bench-" + secrets.token_hex(16)
-        env = {**os.environ, **airflow_env(home), **s3.env(),
-               "AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS": "http://127.0.0.1:*",
-               "AIRFLOW__AIBRIX_BATCH__ALLOWED_STORAGE": f"s3://{BUCKET}/",
-               "AIRFLOW__AIBRIX_BATCH__ALLOWED_AWS_CONN_IDS": "<default>",
-               "AIRFLOW_VAR_AIBRIX_BATCH_API_KEYS": json.dumps({key_digest(key): TENANT}),
-               "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": f"s3://{BUCKET}/api",
-               "AIRFLOW__AIBRIX_BATCH__API_MODELS": f"{MODEL}={stub_url}",
-               "AIRFLOW__AIBRIX_BATCH__API_MAX_FILE_BYTES": str(209_715_200),
-               "AIRFLOW__AIBRIX_BATCH__API_DAG_CONF": json.dumps(dag_conf)}
+        env = {
+            **os.environ,
+            **airflow_env(home),
+            **s3.env(),
+            "AIRFLOW__AIBRIX_BATCH__ALLOWED_ENDPOINTS": "http://127.0.0.1:*",
+            "AIRFLOW__AIBRIX_BATCH__ALLOWED_STORAGE": f"s3://{BUCKET}/",
+            "AIRFLOW__AIBRIX_BATCH__ALLOWED_AWS_CONN_IDS": "<default>",
+            "AIRFLOW_VAR_AIBRIX_BATCH_API_KEYS": json.dumps({key_digest(key): TENANT}),
+            "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": f"s3://{BUCKET}/api",
+            "AIRFLOW__AIBRIX_BATCH__API_MODELS": f"{MODEL}={stub_url}",
+            "AIRFLOW__AIBRIX_BATCH__API_MAX_FILE_BYTES": str(209_715_200),
+            "AIRFLOW__AIBRIX_BATCH__API_DAG_CONF": json.dumps(dag_conf),
+        }
         airflow = start_airflow(env, home)
     except BaseException:
         if s3 is not None:
@@ -276,8 +290,12 @@ def phase_upload(dep: Deployment, mb: int, rounds: int) -> dict:
     write_batch_file(warm, requests=10)
     client.files.delete(client.files.create(file=warm, purpose="batch").id)
     api_pid = dep.airflow.procs[0].pid  # type: ignore[attr-defined]
-    results: dict[str, list[float]] = {"api_mb_s": [], "boto3_mb_s": [], "rss_growth_mb": [],
-                                       "rss_before_mb": []}
+    results: dict[str, list[float]] = {
+        "api_mb_s": [],
+        "boto3_mb_s": [],
+        "rss_growth_mb": [],
+        "rss_before_mb": [],
+    }
     for r in range(rounds):
         t0 = time.perf_counter()
         s3.upload_file(str(path), BUCKET, f"baseline/{r}.jsonl")
@@ -296,16 +314,23 @@ def phase_upload(dep: Deployment, mb: int, rounds: int) -> dict:
         results["api_mb_s"].append(mb_per_s(size, elapsed))
         results["rss_growth_mb"].append((sampler.peak - before) / MB)
         results["rss_before_mb"].append(before / MB)
-        print(f"  upload round {r + 1}: API {results['api_mb_s'][-1]:.1f} MB/s, boto3 "
-              f"{results['boto3_mb_s'][-1]:.1f} MB/s, api-server RSS {before / MB:.0f} MB "
-              f"+{results['rss_growth_mb'][-1]:.1f} MB peak ({len(pids)} processes, "
-              f"{len(sampler.samples)} samples)", flush=True)
+        print(
+            f"  upload round {r + 1}: API {results['api_mb_s'][-1]:.1f} MB/s, boto3 "
+            f"{results['boto3_mb_s'][-1]:.1f} MB/s, api-server RSS {before / MB:.0f} MB "
+            f"+{results['rss_growth_mb'][-1]:.1f} MB peak ({len(pids)} processes, "
+            f"{len(sampler.samples)} samples)",
+            flush=True,
+        )
         client.files.delete(stored.id)
     path.unlink()
     ratios = [a / b for a, b in zip(results["api_mb_s"], results["boto3_mb_s"], strict=True)]
-    return {"bytes": size, **{k: statistics.median(v) for k, v in results.items()},
-            "ratio": statistics.median(ratios),
-            "rss_growth_max_mb": max(results["rss_growth_mb"]), "rounds": results}
+    return {
+        "bytes": size,
+        **{k: statistics.median(v) for k, v in results.items()},
+        "ratio": statistics.median(ratios),
+        "rss_growth_max_mb": max(results["rss_growth_mb"]),
+        "rounds": results,
+    }
 
 
 def phase_cancel(dep: Deployment, requests: int, cancel_after: int, rounds: int) -> dict:
@@ -313,13 +338,18 @@ def phase_cancel(dep: Deployment, requests: int, cancel_after: int, rounds: int)
     path = dep.work / "cancel.jsonl"
     write_batch_file(path, requests=requests)
     file_id = client.files.create(file=path, purpose="batch").id
-    out: dict[str, list[float]] = {"to_last_request_s": [], "to_cancelled_s": [],
-                                   "sent_after_cancel": [], "completed": []}
+    out: dict[str, list[float]] = {
+        "to_last_request_s": [],
+        "to_cancelled_s": [],
+        "sent_after_cancel": [],
+        "completed": [],
+    }
     batch_ids = []
     for r in range(rounds):
         dep.stub_reset()
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         batch_ids.append(batch.id)
         deadline = time.monotonic() + 600
         while (seen := dep.stub_stats())["requests"] < cancel_after:
@@ -344,15 +374,19 @@ def phase_cancel(dep: Deployment, requests: int, cancel_after: int, rounds: int)
         out["to_cancelled_s"].append(t_done - t_cancel)
         out["sent_after_cancel"].append(final["requests"] - seen["requests"])
         out["completed"].append(counts.completed)
-        print(f"  cancel round {r + 1}: cancel answered '{status}' in {t_returned - t_cancel:.2f}s; "
-              f"{seen['requests']} requests had arrived, {final['requests']} in all; last new request "
-              f"{to_last:.2f}s after the cancel call; 'cancelled' after {t_done - t_cancel:.1f}s; "
-              f"completed {counts.completed}, failed {counts.failed}", flush=True)
+        print(
+            f"  cancel round {r + 1}: cancel answered '{status}' in {t_returned - t_cancel:.2f}s; "
+            f"{seen['requests']} requests had arrived, {final['requests']} in all; last new request "
+            f"{to_last:.2f}s after the cancel call; 'cancelled' after {t_done - t_cancel:.1f}s; "
+            f"completed {counts.completed}, failed {counts.failed}",
+            flush=True,
+        )
     return {"batch_ids": batch_ids, **{k: statistics.median(v) for k, v in out.items()}, "rounds": out}
 
 
-async def _load(urls: list[str], headers: dict[str, str], concurrency: int,
-                check: Callable[[int, bytes], None]) -> tuple[list[float], float]:
+async def _load(
+    urls: list[str], headers: dict[str, str], concurrency: int, check: Callable[[int, bytes], None]
+) -> tuple[list[float], float]:
     """Closed loop: ``concurrency`` clients, each sending the next URL when its last answer is in."""
     import aiohttp
 
@@ -360,6 +394,7 @@ async def _load(urls: list[str], headers: dict[str, str], concurrency: int,
     todo = iter(urls)
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(headers=headers, connector=conn) as session:
+
         async def worker() -> None:
             for url in todo:
                 t0 = time.perf_counter()
@@ -391,6 +426,7 @@ async def _create_many(base: str, key: str, file_id: str, n: int, concurrency: i
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     left = iter(range(n))
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+
         async def worker() -> None:
             for _ in left:
                 async with session.post(base + "/batches", json=body) as resp:
@@ -403,8 +439,15 @@ async def _create_many(base: str, key: str, file_id: str, n: int, concurrency: i
     return ids
 
 
-def phase_get(dep: Deployment, batches: int, requests: int, list_requests: int, concurrency: int,
-              rounds: int, extra_ids: list[str]) -> dict:
+def phase_get(
+    dep: Deployment,
+    batches: int,
+    requests: int,
+    list_requests: int,
+    concurrency: int,
+    rounds: int,
+    extra_ids: list[str],
+) -> dict:
     client = dep.client()
     dep.set_paused(True)  # runs created now stay queued: 1,000 real runs, no tasks started
     small = dep.work / "one.jsonl"
@@ -413,8 +456,9 @@ def phase_get(dep: Deployment, batches: int, requests: int, list_requests: int, 
     t0 = time.perf_counter()
     created = asyncio.run(_create_many(dep.base_url, dep.key, file_id, batches, 4))
     create_s = time.perf_counter() - t0
-    print(f"  created {len(created)} batches in {create_s:.1f}s ({len(created) / create_s:.1f}/s)",
-          flush=True)
+    print(
+        f"  created {len(created)} batches in {create_s:.1f}s ({len(created) / create_s:.1f}/s)", flush=True
+    )
     listed = [b.id for b in client.batches.list(limit=100)]  # SDK auto-pagination: all of them
     assert len(listed) >= batches + len(extra_ids), len(listed)
     rng = random.Random(0)
@@ -427,47 +471,67 @@ def phase_get(dep: Deployment, batches: int, requests: int, list_requests: int, 
     run_id = {b: f"openai__{TENANT}__{b}" for b in listed}
     last_page_after = listed[-101]
     cases = {
-        "get_by_id": lambda: load([f"{base}/batches/{rng.choice(listed)}" for _ in range(requests)],
-                                  auth, concurrency),
-        "airflow_rest_get_run": lambda: load([f"{rest}/{run_id[rng.choice(listed)]}"
-                                              for _ in range(requests)], rest_auth, concurrency),
+        "get_by_id": lambda: load(
+            [f"{base}/batches/{rng.choice(listed)}" for _ in range(requests)], auth, concurrency
+        ),
+        "airflow_rest_get_run": lambda: load(
+            [f"{rest}/{run_id[rng.choice(listed)]}" for _ in range(requests)], rest_auth, concurrency
+        ),
         "list_100_newest": lambda: load([f"{base}/batches?limit=100"] * list_requests, auth, concurrency),
-        "list_100_oldest": lambda: load([f"{base}/batches?limit=100&after={last_page_after}"]
-                                        * list_requests, auth, concurrency),
+        "list_100_oldest": lambda: load(
+            [f"{base}/batches?limit=100&after={last_page_after}"] * list_requests, auth, concurrency
+        ),
         "airflow_rest_list_100": lambda: load([f"{rest}?limit=100"] * list_requests, rest_auth, concurrency),
     }
     if extra_ids:
-        cases["get_cancelled_by_id"] = lambda: load([f"{base}/batches/{extra_ids[0]}"] * (requests // 4),
-                                                    auth, concurrency)
+        cases["get_cancelled_by_id"] = lambda: load(
+            [f"{base}/batches/{extra_ids[0]}"] * (requests // 4), auth, concurrency
+        )
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     for r in range(rounds):
         for name, case in cases.items():
             runs[name].append(case())
             s = runs[name][-1]
-            print(f"  get round {r + 1}: {name:24s} p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  "
-                  f"max {s['max_ms']:7.1f} ms  {s['rps']:6.1f} req/s", flush=True)
-    medians = {name: {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
-               for name, summaries in runs.items()}
+            print(
+                f"  get round {r + 1}: {name:24s} p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  "
+                f"max {s['max_ms']:7.1f} ms  {s['rps']:6.1f} req/s",
+                flush=True,
+            )
+    medians = {
+        name: {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+        for name, summaries in runs.items()
+    }
     for name, summaries in runs.items():
         medians[name]["p99_worst_ms"] = max(s["p99_ms"] for s in summaries)
-    return {"batches_on_record": len(listed), "create_per_s": len(created) / create_s,
-            "concurrency": concurrency, **medians}
+    return {
+        "batches_on_record": len(listed),
+        "create_per_s": len(created) / create_s,
+        "concurrency": concurrency,
+        **medians,
+    }
 
 
 # ---------------------------------------------------------------- report
 def report(results: dict) -> list[str]:
-    lines = ["", "| measurement | result (median of rounds) | baseline (same run) | target | met |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| measurement | result (median of rounds) | baseline (same run) | target | met |",
+        "|---|---|---|---|---|",
+    ]
     if "upload" in results:
         u = results["upload"]
-        lines.append(f"| upload {u['bytes'] / MB:.0f} MB, `POST /v1/files` (openai SDK) → SeaweedFS | "
-                     f"{u['api_mb_s']:.1f} MB/s | boto3 `upload_file` {u['boto3_mb_s']:.1f} MB/s "
-                     f"(API = {u['ratio']:.2f}x, median of per-round ratios) | ≥ 50 MB/s | "
-                     f"{'yes' if u['api_mb_s'] >= 50 else 'NO'} |")
-        lines.append(f"| api-server RSS growth during the upload (peak − before) | "
-                     f"{u['rss_growth_mb']:.1f} MB (max of rounds {u['rss_growth_max_mb']:.1f}) | "
-                     f"RSS before {u['rss_before_mb']:.0f} MB | < 50 MB | "
-                     f"{'yes' if u['rss_growth_max_mb'] < 50 else 'NO'} |")
+        lines.append(
+            f"| upload {u['bytes'] / MB:.0f} MB, `POST /v1/files` (openai SDK) → SeaweedFS | "
+            f"{u['api_mb_s']:.1f} MB/s | boto3 `upload_file` {u['boto3_mb_s']:.1f} MB/s "
+            f"(API = {u['ratio']:.2f}x, median of per-round ratios) | ≥ 50 MB/s | "
+            f"{'yes' if u['api_mb_s'] >= 50 else 'NO'} |"
+        )
+        lines.append(
+            f"| api-server RSS growth during the upload (peak − before) | "
+            f"{u['rss_growth_mb']:.1f} MB (max of rounds {u['rss_growth_max_mb']:.1f}) | "
+            f"RSS before {u['rss_before_mb']:.0f} MB | < 50 MB | "
+            f"{'yes' if u['rss_growth_max_mb'] < 50 else 'NO'} |"
+        )
     if "get" in results:
         g = results["get"]
         c = g["concurrency"]
@@ -481,18 +545,24 @@ def report(results: dict) -> list[str]:
             if name not in g:
                 continue
             s, b = g[name], g[base]
-            lines.append(f"| {what}, {g['batches_on_record']} on record, {c} clients | "
-                         f"p99 {s['p99_ms']:.1f} ms (worst round {s['p99_worst_ms']:.0f}; "
-                         f"p50 {s['p50_ms']:.1f}, {s['rps']:.0f} req/s) | "
-                         f"Airflow REST p99 {b['p99_ms']:.1f} ms (p50 {b['p50_ms']:.1f}) | "
-                         f"p99 < {target} ms | {'yes' if s['p99_ms'] < target else 'NO'} |")
+            lines.append(
+                f"| {what}, {g['batches_on_record']} on record, {c} clients | "
+                f"p99 {s['p99_ms']:.1f} ms (worst round {s['p99_worst_ms']:.0f}; "
+                f"p50 {s['p50_ms']:.1f}, {s['rps']:.0f} req/s) | "
+                f"Airflow REST p99 {b['p99_ms']:.1f} ms (p50 {b['p50_ms']:.1f}) | "
+                f"p99 < {target} ms | {'yes' if s['p99_ms'] < target else 'NO'} |"
+            )
     if "cancel" in results:
         k = results["cancel"]
-        lines.append(f"| cancel → last new request sent ({results['cancel_requests']} requests) | "
-                     f"{k['to_last_request_s']:.2f} s | — | < 5 s | "
-                     f"{'yes' if k['to_last_request_s'] < 5 else 'NO'} |")
-        lines.append(f"| cancel → `cancelled` | {k['to_cancelled_s']:.1f} s | — | < 30 s | "
-                     f"{'yes' if k['to_cancelled_s'] < 30 else 'NO'} |")
+        lines.append(
+            f"| cancel → last new request sent ({results['cancel_requests']} requests) | "
+            f"{k['to_last_request_s']:.2f} s | — | < 5 s | "
+            f"{'yes' if k['to_last_request_s'] < 5 else 'NO'} |"
+        )
+        lines.append(
+            f"| cancel → `cancelled` | {k['to_cancelled_s']:.1f} s | — | < 30 s | "
+            f"{'yes' if k['to_cancelled_s'] < 30 else 'NO'} |"
+        )
     return lines
 
 
@@ -526,15 +596,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"upload: {args.upload_mb} MB, {args.rounds} rounds", flush=True)
             results["upload"] = phase_upload(dep, args.upload_mb, args.rounds)
         if "cancel" in phases:
-            print(f"cancel: {args.cancel_requests} requests, stub delay {args.stub_delay}s, cancel after "
-                  f"{args.cancel_after} arrived, {args.cancel_rounds} rounds", flush=True)
+            print(
+                f"cancel: {args.cancel_requests} requests, stub delay {args.stub_delay}s, cancel after "
+                f"{args.cancel_after} arrived, {args.cancel_rounds} rounds",
+                flush=True,
+            )
             results["cancel"] = phase_cancel(dep, args.cancel_requests, args.cancel_after, args.cancel_rounds)
         if "get" in phases:
-            print(f"get: {args.batches} batches, {args.concurrency} clients, {args.rounds} rounds",
-                  flush=True)
-            results["get"] = phase_get(dep, args.batches, args.get_requests, args.list_requests,
-                                       args.concurrency, args.rounds,
-                                       results.get("cancel", {}).get("batch_ids", []))
+            print(
+                f"get: {args.batches} batches, {args.concurrency} clients, {args.rounds} rounds", flush=True
+            )
+            results["get"] = phase_get(
+                dep,
+                args.batches,
+                args.get_requests,
+                args.list_requests,
+                args.concurrency,
+                args.rounds,
+                results.get("cancel", {}).get("batch_ids", []),
+            )
     finally:
         stop(dep)
         if not args.keep:

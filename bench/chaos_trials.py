@@ -1,10 +1,10 @@
 """Randomized fault trials of the batch driver: kills, endpoint outages, 503/429 storms,
 and slow, half, dropped and garbled answers, against one shard.
 
-Each trial runs the driver CLI (the driver pod's entry point) as a process against a
-chaos server (bench/_chaos_server.py), and plays Airflow: a killed driver, or one that
-gave up on an outage (exit 3) or a store (exit 5), is started again. A trial passes
-when every request is answered exactly once in the result log, with no error line
+Each trial runs the driver CLI (the driver pod's entry point) as a process against the
+fake OpenAI server in its seeded chaos mode (tests/fake_openai.py), and plays Airflow: a
+killed driver, or one that gave up on an outage (exit 3) or a store (exit 5), is started
+again. A trial passes when every request is answered exactly once in the result log, with no error line
 (every fault here is the infrastructure's), and the requests re-sent because of a kill
 stay within that kill's checkpoint window (answers received since the last flush).
 
@@ -29,12 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _chaos_server import ChaosServer  # noqa: E402
+sys.path.insert(0, str(REPO))  # tests.fake_openai: the one fake OpenAI server of tests and benches
 
 from aibrix_operators.batch.shard_results import shard_result_log  # noqa: E402
 from aibrix_operators.storage import LocalStorage  # noqa: E402
+from tests.fake_openai import FakeOpenAI  # noqa: E402
 
 FLUSH_INTERVAL_S = 0.2
 # A segment's lines are taken from memory just before its write; answers that arrive during
@@ -42,10 +41,28 @@ FLUSH_INTERVAL_S = 0.2
 # the write can lag, so the window reaches one more flush interval back.
 WRITE_SLACK_S = 0.2
 DRIVER_ARGS = [
-    "--concurrency", "16", "--max-attempts", "5", "--backoff-base", "0.05", "--backoff-max", "0.5",
-    "--request-timeout", "2", "--connect-timeout", "1", "--flush-interval", str(FLUSH_INTERVAL_S),
-    "--probe-interval", "0.1", "--outage-budget", "1.5", "--endpoint-wait", "10",
-    "--progress-interval", "60",
+    "--concurrency",
+    "16",
+    "--max-attempts",
+    "5",
+    "--backoff-base",
+    "0.05",
+    "--backoff-max",
+    "0.5",
+    "--request-timeout",
+    "2",
+    "--connect-timeout",
+    "1",
+    "--flush-interval",
+    str(FLUSH_INTERVAL_S),
+    "--probe-interval",
+    "0.1",
+    "--outage-budget",
+    "1.5",
+    "--endpoint-wait",
+    "10",
+    "--progress-interval",
+    "60",
 ]
 
 
@@ -79,9 +96,21 @@ def write_shard(path: Path, n: int) -> str:
     with open(path, "w") as fh:
         for i in range(n):
             cid = f"c-{i:05d}"
-            fh.write(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                                 "body": {"model": "m", "cid": cid,
-                                          "messages": [{"role": "user", "content": f"q {i}"}]}}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "custom_id": cid,
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": "m",
+                            "cid": cid,
+                            "messages": [{"role": "user", "content": f"q {i}"}],
+                        },
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -121,13 +150,27 @@ def run_trial(seed: int, workdir: Path, requests: int = 800, time_limit_s: float
     prefix = str(workdir / "results")
     storage = LocalStorage()
     log = shard_result_log(storage, prefix, shard)
-    server = ChaosServer(seed).start()
-    driver = _Driver([sys.executable, "-m", "aibrix_operators.driver.cli", "--shard-uri", shard,
-                      "--results-prefix", prefix, "--endpoint", server.url, *DRIVER_ARGS],
-                     workdir / "driver.log")
+    server = FakeOpenAI(chaos=seed).start()
+    driver = _Driver(
+        [
+            sys.executable,
+            "-m",
+            "aibrix_operators.driver.cli",
+            "--shard-uri",
+            shard,
+            "--results-prefix",
+            prefix,
+            "--endpoint",
+            server.url,
+            *DRIVER_ARGS,
+        ],
+        workdir / "driver.log",
+    )
     # Events fire when the server has answered a random share of the shard.
-    plan = sorted((rng.uniform(0.05, 0.9), rng.choice(("kill", "kill", "outage", "storm503", "storm429")))
-                  for _ in range(rng.randint(1, 4)))
+    plan = sorted(
+        (rng.uniform(0.05, 0.9), rng.choice(("kill", "kill", "outage", "storm503", "storm429")))
+        for _ in range(rng.randint(1, 4))
+    )
     done = threading.Event()
 
     def chaos() -> None:
@@ -144,8 +187,9 @@ def run_trial(seed: int, workdir: Path, requests: int = 800, time_limit_s: float
                     result.max_checkpoint_age_s = max(result.max_checkpoint_age_s, round(killed_at - last, 3))
                     with server.lock:
                         answered = set(server.answered)
-                        window = sum(1 for ts in server.answered.values() for t in ts
-                                     if t >= last - WRITE_SLACK_S)
+                        window = sum(
+                            1 for ts in server.answered.values() for t in ts if t >= last - WRITE_SLACK_S
+                        )
                     not_durable = len(answered - log.done_ids())
                     result.resent_by_kills += not_durable
                     result.kill_window_answers += window
@@ -214,28 +258,39 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.trials):
         r = run_trial(args.seed + i, args.workdir / f"trial-{i}", args.requests)
         results.append(r)
-        print(f"trial {i:3d} seed {r.seed}: {'ok  ' if r.ok else 'FAIL'} {r.seconds:5.1f}s kills={r.kills} "
-              f"outages={r.outages} storms={r.storms} runs={r.driver_runs} infra_exits={r.infra_exits} "
-              f"resent_by_kills={r.resent_by_kills}/{r.kill_window_answers} "
-              f"ckpt_age={r.max_checkpoint_age_s:.2f}s lost={r.lost} "
-              f"dup={r.duplicated} errors={r.error_lines} {'; '.join(r.problems)[:300]}", flush=True)
+        print(
+            f"trial {i:3d} seed {r.seed}: {'ok  ' if r.ok else 'FAIL'} {r.seconds:5.1f}s kills={r.kills} "
+            f"outages={r.outages} storms={r.storms} runs={r.driver_runs} infra_exits={r.infra_exits} "
+            f"resent_by_kills={r.resent_by_kills}/{r.kill_window_answers} "
+            f"ckpt_age={r.max_checkpoint_age_s:.2f}s lost={r.lost} "
+            f"dup={r.duplicated} errors={r.error_lines} {'; '.join(r.problems)[:300]}",
+            flush=True,
+        )
     total = Counter()
     for r in results:
         total.update({k: v for k, v in asdict(r).items() if isinstance(v, int) and k != "seed"})
         total.update({f"fault:{k}": v for k, v in r.faults.items()})
     failed = [r.seed for r in results if not r.ok]
     print(f"\n{len(results)} trials x {args.requests} requests: {len(results) - len(failed)} passed")
-    print(f"lost {total['lost']}, duplicated {total['duplicated']}, error lines {total['error_lines']} "
-          "(every fault is the infrastructure's, so all three must be 0)")
-    print(f"kills {total['kills']}, outages {total['outages']}, storms {total['storms']}, driver runs "
-          f"{total['driver_runs']}, gave up and retried {total['infra_exits']}")
+    print(
+        f"lost {total['lost']}, duplicated {total['duplicated']}, error lines {total['error_lines']} "
+        "(every fault is the infrastructure's, so all three must be 0)"
+    )
+    print(
+        f"kills {total['kills']}, outages {total['outages']}, storms {total['storms']}, driver runs "
+        f"{total['driver_runs']}, gave up and retried {total['infra_exits']}"
+    )
     oldest = max((r.max_checkpoint_age_s for r in results), default=0.0)
-    print(f"re-sent because of kills {total['resent_by_kills']} (answers since the last durable "
-          f"checkpoint at each kill: {total['kill_window_answers']}; kills over that window: "
-          f"{total['kill_over_window']}; oldest checkpoint at a kill {oldest:.2f}s, flush interval "
-          f"{FLUSH_INTERVAL_S}s)")
-    print("per-attempt faults served: " + ", ".join(
-        f"{k[6:]} {v}" for k, v in sorted(total.items()) if k.startswith("fault:")))
+    print(
+        f"re-sent because of kills {total['resent_by_kills']} (answers since the last durable "
+        f"checkpoint at each kill: {total['kill_window_answers']}; kills over that window: "
+        f"{total['kill_over_window']}; oldest checkpoint at a kill {oldest:.2f}s, flush interval "
+        f"{FLUSH_INTERVAL_S}s)"
+    )
+    print(
+        "per-attempt faults served: "
+        + ", ".join(f"{k[6:]} {v}" for k, v in sorted(total.items()) if k.startswith("fault:"))
+    )
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 1 if failed else 0

@@ -2,7 +2,7 @@
 
 Measures what a new user would see running a big file: `airflow dags test batch_inference`
 (every task in one process, one after another; the trigger mode measured) with N requests in
-shards of M against `bench/_stub_server.py` (a raw-asyncio OpenAI stub that answers at once,
+shards of M against `tests/fake_openai.py` (its RawStub: a raw-asyncio OpenAI stub that answers at once,
 so the pipeline is measured, not a model). Reports wall time, requests/s, the peak RSS of the
 `airflow dags test` process (its `ru_maxrss`), each task's duration from the run's log, and
 checks that every request was answered exactly once.
@@ -47,11 +47,22 @@ AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 def write_input(path: Path, n: int) -> None:
     with open(path, "w") as fh:
         for i in range(n):
-            fh.write(json.dumps({
-                "custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "tiny-llama", "max_tokens": 8,
-                         "messages": [{"role": "user", "content": f"question {i}: what is {i % 97} + 3?"}]},
-            }, separators=(",", ":")) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": "tiny-llama",
+                            "max_tokens": 8,
+                            "messages": [{"role": "user", "content": f"question {i}: what is {i % 97} + 3?"}],
+                        },
+                    },
+                    separators=(",", ":"),
+                )
+                + "\n"
+            )
 
 
 def _stub_cpu() -> int | None:
@@ -102,26 +113,44 @@ def run_dag(args: argparse.Namespace) -> int:
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
     log = work / "dag.log"
     with StubProcess(_stub_cpu()) as stub:
-        conf = {"input_uri": str(inp), "output_uri": str(out), "endpoint": f"http://127.0.0.1:{stub.port}",
-                "requests_per_shard": args.per_shard, "concurrency": args.concurrency, "model": "tiny-llama",
-                "max_requests": args.requests}  # past OpenAI's 50,000 per file: the trigger raises it
-        print(f"airflow dags test batch_inference: {args.requests:,} requests, shards of {args.per_shard:,}, "
-              f"concurrency {args.concurrency} (log: {log})", flush=True)
+        conf = {
+            "input_uri": str(inp),
+            "output_uri": str(out),
+            "endpoint": f"http://127.0.0.1:{stub.port}",
+            "requests_per_shard": args.per_shard,
+            "concurrency": args.concurrency,
+            "model": "tiny-llama",
+            "max_requests": args.requests,
+        }  # past OpenAI's 50,000 per file: the trigger raises it
+        print(
+            f"airflow dags test batch_inference: {args.requests:,} requests, shards of {args.per_shard:,}, "
+            f"concurrency {args.concurrency} (log: {log})",
+            flush=True,
+        )
         t0 = time.monotonic()
         with open(log, "w") as fh:
-            rc = subprocess.run([AIRFLOW, "dags", "test", "batch_inference", "-c", json.dumps(conf)],
-                                env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            rc = subprocess.run(
+                [AIRFLOW, "dags", "test", "batch_inference", "-c", json.dumps(conf)],
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            ).returncode
         wall = time.monotonic() - t0
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     if rc != 0:
         print(f"the DAG run failed (exit {rc}); see {log}")
         return 1
-    print(f"wall {wall:.1f} s, {args.requests / wall:,.0f} req/s; peak RSS {peak_mb:.0f} MB "
-          f"(the largest process: airflow dags test)")
+    print(
+        f"wall {wall:.1f} s, {args.requests / wall:,.0f} req/s; peak RSS {peak_mb:.0f} MB "
+        f"(the largest process: airflow dags test)"
+    )
     print(f"output: {count_output(out, args.requests)}")
     tasks = task_seconds(log)
-    print("task seconds (mapped tasks summed): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(tasks.items(), key=lambda kv: -kv[1]) if v >= 0.05))
+    print(
+        "task seconds (mapped tasks summed): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(tasks.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+    )
     if args.requests >= 1_000_000:
         ok = wall < 180 and peak_mb < 300
         print(f"targets (< 180 s, < 300 MB): {'met' if ok else 'NOT met'}")
@@ -151,16 +180,19 @@ def profile_shard(args: argparse.Namespace) -> int:
     write_input(shard, args.per_shard)
     results = work / f"results-{time.time_ns()}"
     with StubProcess(_stub_cpu()) as stub:
-        config = DriverConfig(endpoint=f"http://127.0.0.1:{stub.port}", concurrency=args.concurrency,
-                              api_key_env=None)
+        config = DriverConfig(
+            endpoint=f"http://127.0.0.1:{stub.port}", concurrency=args.concurrency, api_key_env=None
+        )
         prof = cProfile.Profile()
         t0 = time.process_time()
         prof.enable()
         outcome = asyncio.run(run_shard(LocalStorage(), str(shard), str(results), config))
         prof.disable()
         cpu = time.process_time() - t0
-    print(f"one shard of {args.per_shard:,}: {outcome.completed:,} completed, {outcome.failed} failed; "
-          f"{cpu:.1f} CPU-s under cProfile ({cpu / args.per_shard * 1e6:.0f} us/request)")
+    print(
+        f"one shard of {args.per_shard:,}: {outcome.completed:,} completed, {outcome.failed} failed; "
+        f"{cpu:.1f} CPU-s under cProfile ({cpu / args.per_shard * 1e6:.0f} us/request)"
+    )
     stats = pstats.Stats(prof)
     totals: dict[str, float] = {name: 0.0 for name, _ in BUCKETS}
     other = 0.0

@@ -1,6 +1,6 @@
 """The batch driver alone against a zero-latency OpenAI stub: requests/s on one core.
 
-The stub (bench/_stub_server.py, raw asyncio HTTP/1.1 keep-alive, fixed
+The stub (tests/fake_openai.py's RawStub, raw asyncio HTTP/1.1 keep-alive, fixed
 ``chat.completion`` with usage) runs in its own process pinned to one CPU; this
 process, which runs ``aibrix_operators.driver.runner.run_shard`` with
 ``LocalStorage`` (results checkpointed to disk as in the DAG), is pinned to the
@@ -42,9 +42,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "plugins"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))  # tests.fake_openai: the one fake OpenAI server of tests and benches
 
-import _stub_server  # noqa: E402
+from tests import fake_openai  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / ".work" / "bench" / "driver"
 TARGET_RPS = 2000.0
@@ -83,7 +83,7 @@ class StubProcess:
     """The stub server in a child process pinned to ``cpu``."""
 
     def __init__(self, cpu: int | None, metrics_page: Path | None = None) -> None:
-        cmd = [sys.executable, _stub_server.__file__, "--port", "0"]
+        cmd = [sys.executable, fake_openai.__file__, "--port", "0"]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
         if metrics_page is not None:
@@ -112,7 +112,12 @@ class StubProcess:
 
 
 def run_driver(
-    shard: Path, results: Path, port: int, concurrency: int, total: int, loop: str = "asyncio",
+    shard: Path,
+    results: Path,
+    port: int,
+    concurrency: int,
+    total: int,
+    loop: str = "asyncio",
     shared_tick_s: float | None = None,
 ) -> dict:
     """One run_shard over the whole shard from scratch; requests/s and the outcome. With
@@ -150,18 +155,39 @@ def run_driver(
 
 
 def pin(cpu: int | None) -> None:
-    _stub_server.pin(cpu)
+    fake_openai.pin(cpu)
 
 
 def run_driver_in_child(
-    plugins: Path, shard: Path, results: Path, port: int, concurrency: int, total: int, cpu: int | None,
-    callgrind_out: Path | None = None, shared_tick_s: float | None = None,
+    plugins: Path,
+    shard: Path,
+    results: Path,
+    port: int,
+    concurrency: int,
+    total: int,
+    cpu: int | None,
+    callgrind_out: Path | None = None,
+    shared_tick_s: float | None = None,
 ) -> dict:
     """``run_driver`` in a fresh process importing ``aibrix_operators`` from ``plugins``
     (under callgrind, counting instructions, when ``callgrind_out`` is given)."""
-    cmd = [sys.executable, __file__, "--worker", "--plugins", str(plugins), "--shard", str(shard),
-           "--results", str(results), "--port", str(port), "--concurrency", str(concurrency),
-           "--requests", str(total)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--plugins",
+        str(plugins),
+        "--shard",
+        str(shard),
+        "--results",
+        str(results),
+        "--port",
+        str(port),
+        "--concurrency",
+        str(concurrency),
+        "--requests",
+        str(total),
+    ]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
     if shared_tick_s is not None:
@@ -200,8 +226,9 @@ def instructions_main(args: argparse.Namespace, levels: list[int]) -> int:
                 counts = {}
                 for n, shard in shards.items():
                     out = args.workdir / f"callgrind-{plugins.parent.name}-{c}-{n}.out"
-                    counts[n] = run_driver_in_child(plugins, shard, args.workdir / "results", stub.port, c,
-                                                    n, None, out)["instructions"]
+                    counts[n] = run_driver_in_child(
+                        plugins, shard, args.workdir / "results", stub.port, c, n, None, out
+                    )["instructions"]
                 per[plugins] = (counts[large] - counts[small]) / (large - small)
             ratio = per[ours] / per[other]
             worst = max(worst, ratio)
@@ -237,8 +264,10 @@ def shared_cost_main(args: argparse.Namespace, levels: list[int]) -> int:
     ours = REPO / "plugins"
     small, large = max(args.requests // 4, 500), args.requests
     shards = {n: write_shard(args.workdir / f"shard-{n}.jsonl", n) for n in (small, large)}
-    print(f"\nshared vs dedicated mode, this tree; instructions per request (callgrind), runs of "
-          f"{large:,} minus {small:,} requests; /metrics: {VLLM_METRICS_PAGE.name}\n")
+    print(
+        f"\nshared vs dedicated mode, this tree; instructions per request (callgrind), runs of "
+        f"{large:,} minus {small:,} requests; /metrics: {VLLM_METRICS_PAGE.name}\n"
+    )
     print(f"{'concurrency':>11}{'dedicated':>14}{'shared':>14}{'shared/dedicated':>18}")
     worst = 0.0
     with StubProcess(None, VLLM_METRICS_PAGE) as stub:
@@ -248,8 +277,9 @@ def shared_cost_main(args: argparse.Namespace, levels: list[int]) -> int:
                 counts = {}
                 for n, shard in shards.items():
                     out = args.workdir / f"callgrind-{mode}-{c}-{n}.out"
-                    counts[n] = run_driver_in_child(ours, shard, args.workdir / "results", stub.port, c, n,
-                                                    None, out, shared_tick_s=tick)["instructions"]
+                    counts[n] = run_driver_in_child(
+                        ours, shard, args.workdir / "results", stub.port, c, n, None, out, shared_tick_s=tick
+                    )["instructions"]
                 per[mode] = (counts[large] - counts[small]) / (large - small)
             ratio = per["shared"] / per["dedicated"]
             worst = max(worst, ratio)
@@ -258,10 +288,14 @@ def shared_cost_main(args: argparse.Namespace, levels: list[int]) -> int:
     shutil.rmtree(args.workdir / "results", ignore_errors=True)
     tick_share = tick_us / (SHARED_TICK_S * 1e6)
     total = worst - 1 + tick_share
-    print(f"\none tick: {tick_us:,.0f} CPU us ({VLLM_METRICS_PAGE.stat().st_size:,}-byte page); at one tick "
-          f"per {SHARED_TICK_S:g} s: {tick_share:.2%} of a core")
-    print(f"shared mode's cost: {worst - 1:+.2%} per request + {tick_share:.2%} for ticks = {total:+.2%} "
-          f"(target < 5 %) -> {'PASS' if total < 0.05 else 'MISS'}")
+    print(
+        f"\none tick: {tick_us:,.0f} CPU us ({VLLM_METRICS_PAGE.stat().st_size:,}-byte page); at one tick "
+        f"per {SHARED_TICK_S:g} s: {tick_share:.2%} of a core"
+    )
+    print(
+        f"shared mode's cost: {worst - 1:+.2%} per request + {tick_share:.2%} for ticks = {total:+.2%} "
+        f"(target < 5 %) -> {'PASS' if total < 0.05 else 'MISS'}"
+    )
     return 0 if total < 0.05 else 1
 
 
@@ -269,26 +303,37 @@ def worker_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.plugins).resolve()))
     pin(args.cpu)
     tick = None if args.shared_tick_s is None else float(args.shared_tick_s)
-    r = run_driver(Path(args.shard), Path(args.results), args.port, int(args.concurrency), args.requests,
-                   shared_tick_s=tick)
+    r = run_driver(
+        Path(args.shard),
+        Path(args.results),
+        args.port,
+        int(args.concurrency),
+        args.requests,
+        shared_tick_s=tick,
+    )
     print(json.dumps(r))
     return 0
 
 
-def compare_main(args: argparse.Namespace, levels: list[int], driver_cpu: int | None,
-                 stub_cpu: int | None) -> int:
+def compare_main(
+    args: argparse.Namespace, levels: list[int], driver_cpu: int | None, stub_cpu: int | None
+) -> int:
     """Rounds of (this tree, the other tree) in alternating order; medians of per-round ratios."""
     import statistics
 
     ours = REPO / "plugins"
     other = Path(args.compare_plugins).resolve()
     shard = write_shard(args.workdir / f"shard-{args.requests}.jsonl", args.requests)
-    print(f"\n{args.requests:,} requests per run, {args.repeat} rounds per level, fresh process per run; "
-          f"this tree {ours} vs {other}\n")
+    print(
+        f"\n{args.requests:,} requests per run, {args.repeat} rounds per level, fresh process per run; "
+        f"this tree {ours} vs {other}\n"
+    )
     print("ratios are this/other per round (alternating order), median and range; req/CPU-s counts the")
     print("driver process's own CPU time, which the other work on a shared machine barely moves\n")
-    print(f"{'concurrency':>11}{'this req/s':>12}{'other req/s':>13}{'wall ratio':>12}{'range':>15}"
-          f"{'this req/CPU-s':>16}{'other':>8}{'CPU ratio':>11}{'range':>15}")
+    print(
+        f"{'concurrency':>11}{'this req/s':>12}{'other req/s':>13}{'wall ratio':>12}{'range':>15}"
+        f"{'this req/CPU-s':>16}{'other':>8}{'CPU ratio':>11}{'range':>15}"
+    )
     worst = float("inf")
     with StubProcess(stub_cpu) as stub:
         for c in levels:
@@ -298,17 +343,22 @@ def compare_main(args: argparse.Namespace, levels: list[int], driver_cpu: int | 
                 if i % 2:
                     order.reverse()
                 for plugins, sink in order:
-                    sink.append(run_driver_in_child(plugins, shard, args.workdir / "results", stub.port, c,
-                                                    args.requests, driver_cpu))
+                    sink.append(
+                        run_driver_in_child(
+                            plugins, shard, args.workdir / "results", stub.port, c, args.requests, driver_cpu
+                        )
+                    )
                 wall.append(mine[-1]["rps"] / theirs[-1]["rps"])
                 cpu.append(theirs[-1]["cpu_us"] / mine[-1]["cpu_us"])
             worst = min(worst, statistics.median(cpu))
             med = statistics.median
             mine_cpu, their_cpu = med(r["cpu_us"] for r in mine), med(r["cpu_us"] for r in theirs)
-            print(f"{c:>11}{med(r['rps'] for r in mine):>12.0f}{med(r['rps'] for r in theirs):>13.0f}"
-                  f"{med(wall):>11.3f}x{min(wall):>8.3f}..{max(wall):.3f}"
-                  f"{1e6 / mine_cpu:>16.0f}{1e6 / their_cpu:>8.0f}"
-                  f"{med(cpu):>10.3f}x{min(cpu):>8.3f}..{max(cpu):.3f}")
+            print(
+                f"{c:>11}{med(r['rps'] for r in mine):>12.0f}{med(r['rps'] for r in theirs):>13.0f}"
+                f"{med(wall):>11.3f}x{min(wall):>8.3f}..{max(wall):.3f}"
+                f"{1e6 / mine_cpu:>16.0f}{1e6 / their_cpu:>8.0f}"
+                f"{med(cpu):>10.3f}x{min(cpu):>8.3f}..{max(cpu):.3f}"
+            )
     shutil.rmtree(args.workdir / "results", ignore_errors=True)
     print(f"\nlowest median CPU ratio {worst:.3f} (>= 0.95: this tree's driver is within 5% of the other's)")
     return 0
@@ -328,13 +378,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin driver and stub to CPUs")
     p.add_argument("--profile", default=None, help="cProfile the first driver run into this file")
-    p.add_argument("--compare-plugins", default=None, metavar="DIR",
-                   help="compare with the driver in another checkout's plugins/ directory")
-    p.add_argument("--instructions", action="store_true",
-                   help="with --compare-plugins: count instructions per request under callgrind "
-                        "instead of timing (slow, but the same on a busy machine)")
-    p.add_argument("--shared-cost", action="store_true",
-                   help="shared mode's cost against dedicated mode in this tree (callgrind)")
+    p.add_argument(
+        "--compare-plugins",
+        default=None,
+        metavar="DIR",
+        help="compare with the driver in another checkout's plugins/ directory",
+    )
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="with --compare-plugins: count instructions per request under callgrind "
+        "instead of timing (slow, but the same on a busy machine)",
+    )
+    p.add_argument(
+        "--shared-cost",
+        action="store_true",
+        help="shared mode's cost against dedicated mode in this tree (callgrind)",
+    )
     # internal: one driver run in a child process (used by --compare-plugins)
     for hidden in ("--plugins", "--shard", "--results", "--port", "--cpu", "--shared-tick-s"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -363,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     with StubProcess(stub_cpu) as stub:
         pin(driver_cpu)
         c0 = time.process_time()
-        ceiling = _stub_server.ceiling(stub.port, args.requests, max(levels))
+        ceiling = fake_openai.ceiling(stub.port, args.requests, max(levels))
         ceiling_cpu_us = (time.process_time() - c0) / args.requests * 1e6
         for c in levels:
             best: dict | None = None

@@ -1,6 +1,6 @@
 """What the P/D router adds per request, against zero-latency prefill and decode stubs.
 
-Three processes: the stubs (``_pd_stub.py``, one prefill and one decode instance) and
+Three processes: the stubs (``tests/fake_openai.py``, one prefill and one decode instance) and
 this load generator share CPU 1; the router (``python -m aibrix_operators.router``) has
 CPU 0 to itself: "one router core". Each router request is two stub calls (prefill with
 max_tokens=1, then decode), so the baseline makes the same two calls directly, in the
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_router, cpu_rest = (["--cpu", "0"], ["--cpu", "1"]) if pin else ([], [])
     if pin:
         os.sched_setaffinity(0, {1})
-    stubs = Proc([sys.executable, str(REPO / "bench/_pd_stub.py"), "--count", "4", *cpu_rest])
+    stubs = Proc([sys.executable, str(REPO / "tests/fake_openai.py"), "--count", "4", *cpu_rest])
     variants = [("affinity off", "off"), ("affinity on", "on")] if args.affinity_ab else [("router", "on")]
     routers: list[tuple[str, Proc, int]] = []
     try:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import fake_openai
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -82,13 +84,18 @@ def test_write_batch_file_by_count_and_by_size(tmp_path):
 
 @pytest.mark.service
 def test_arrival_stub_answers_late_and_logs_arrivals():
-    proc = subprocess.Popen([sys.executable, str(BENCH / "_arrival_stub.py"), "--delay", "0.05"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(fake_openai.__file__), "--delay", "0.05"], stdout=subprocess.PIPE, text=True
+    )
     try:
         url = f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}"
         before = time.time()
-        req = urllib.request.Request(url + "/v1/chat/completions", data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/chat/completions",
+            data=b"{}",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert json.loads(resp.read())["object"] == "chat.completion"
         assert time.time() - before >= 0.05

@@ -45,12 +45,18 @@ def test_generated_batch_is_valid_and_reused(tmp_path: Path) -> None:
 @pytest.mark.service
 def test_validate_split_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     vs = _load("validate_split")
-    rc = vs.main(["--lines", "400", "--rss-lines", "100", "--shard-requests", "150",
-                  "--workdir", str(tmp_path)])
+    rc = vs.main(
+        ["--lines", "400", "--rss-lines", "100", "--shard-requests", "150", "--workdir", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert rc in (0, 1)  # the verdict depends on the machine, not on the code path
-    for needle in ("baseline: wc -l", "baseline: python line loop", "validate + split",
-                   "peak RSS", "3 shards of 150 requests"):
+    for needle in (
+        "baseline: wc -l",
+        "baseline: python line loop",
+        "validate + split",
+        "peak RSS",
+        "3 shards of 150 requests",
+    ):
         assert needle in out
     assert not (tmp_path / "split-out").exists()
 
@@ -58,35 +64,43 @@ def test_validate_split_main(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.service
 def test_driver_stub_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ds = _load("driver_stub")
-    rc = ds.main(["--requests", "300", "--concurrency", "4,16", "--no-pin",
-                  "--workdir", str(tmp_path)])
+    rc = ds.main(["--requests", "300", "--concurrency", "4,16", "--no-pin", "--workdir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc in (0, 1)
-    for needle in ("baseline: raw client (ceiling)", "run_shard, concurrency 4",
-                   "run_shard, concurrency 16", "target >= 2000"):
+    for needle in (
+        "baseline: raw client (ceiling)",
+        "run_shard, concurrency 4",
+        "run_shard, concurrency 16",
+        "target >= 2000",
+    ):
         assert needle in out
 
 
 @pytest.mark.service
 def test_stub_answers_keep_alive_and_pipelined_requests() -> None:
     ds = _load("driver_stub")
-    stub_mod = sys.modules["_stub_server"]
     import socket
+
+    from tests import fake_openai as stub_mod
 
     with ds.StubProcess(cpu=None) as stub:
         body = b'{"model":"m","messages":[]}'
-        req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: "
-               + str(len(body)).encode() + b"\r\n\r\n" + body)
+        req = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         with socket.create_connection(("127.0.0.1", stub.port), timeout=5) as sock:
             sock.sendall(req * 3)  # pipelined, one connection
-            want = len(stub_mod.RESPONSE) * 3
+            want = len(stub_mod.CHAT) * 3
             got = b""
             while len(got) < want:
                 chunk = sock.recv(65536)
                 assert chunk
                 got += chunk
-        assert got == stub_mod.RESPONSE * 3
-        answer = json.loads(stub_mod.BODY)
+        assert got == stub_mod.CHAT * 3
+        answer = json.loads(stub_mod.CHAT_BODY)
         assert answer["object"] == "chat.completion" and answer["usage"]["total_tokens"] == 130
         assert stub_mod.ceiling(stub.port, requests=200, connections=4) > 0
 
@@ -137,11 +151,20 @@ def test_kvcache_prefix_pooled_ratio_averages_over_each_conditions_servers() -> 
     """Two servers per mode, one pipelined server 20% slow (a server effect, not the mode's):
     the pooled line compares each mode's mean over its servers, the plain line one pair."""
     kp = _load("kvcache_prefix")
-    hits = {"ours_l1": [1.0] * 4, "ours_l1#2": [1.2] * 4,
-            "ours_sync_l1": [1.1] * 4, "ours_sync_l1#2": [1.1] * 4}
+    hits = {
+        "ours_l1": [1.0] * 4,
+        "ours_l1#2": [1.2] * 4,
+        "ours_sync_l1": [1.1] * 4,
+        "ours_sync_l1#2": [1.1] * 4,
+    }
     first = {name: [2.0] for name in hits}
-    res = {"first": first, "hits": hits, "cached": {}, "connector": {},
-           "per_run": [{"hits": hits, "first": first}]}
+    res = {
+        "first": first,
+        "hits": hits,
+        "cached": {},
+        "connector": {},
+        "per_run": [{"hits": hits, "first": first}],
+    }
     args = SimpleNamespace(prompts=2, tokens=16, runs=1, rounds=2, model="m", bind="0")
     ratios = kp.report(res, args)["ratios"]
     assert abs(ratios["hit sync / pipelined"]["median"] - 1.1) < 1e-9
