@@ -13,11 +13,11 @@ import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
-from aibrix_operators import deadline_order
 from aibrix_operators.batch.job import validate_batch
 from aibrix_operators.batch.lifecycle import RunSnapshot
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.status import batch_object
+from aibrix_operators.scheduling import deadline_order
 from aibrix_operators.storage import LocalStorage
 from tests.driver.test_driver_faults import run
 

@@ -13,7 +13,7 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.priority import DEDICATED_PRIORITY, prioritized_body
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.storage import LocalStorage
-from tests.driver.test_cache_salt import bodies, line  # noqa: F401 - the fixture
+from tests.driver.test_cache_salt import by_marker, line, server  # noqa: F401 - the fixture
 from tests.driver.test_driver_faults import results_by_id, write_shard
 
 LINES = [
@@ -27,11 +27,11 @@ LINES = [
 ]
 
 
-async def test_a_lines_own_priority_is_replaced_by_the_deployments(bodies, tmp_path) -> None:  # noqa: F811
-    url, seen = bodies
+async def test_a_lines_own_priority_is_replaced_by_the_deployments(server, tmp_path) -> None:  # noqa: F811
     storage, shard = LocalStorage(), write_shard(tmp_path, LINES)
-    cfg = DriverConfig(url, concurrency=2, flush_interval_s=0.05, api_key_env=None)
+    cfg = DriverConfig(server.url, concurrency=2, flush_interval_s=0.05, api_key_env=None)
     await run_shard(storage, shard, str(tmp_path / "results"), cfg)
+    seen = by_marker(server)
     assert sorted(results_by_id(storage, str(tmp_path / "results"), shard)) == sorted(
         r["custom_id"] for r in LINES)
     assert {marker: body["priority"] for marker, body in seen.items()} == {

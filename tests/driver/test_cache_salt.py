@@ -1,17 +1,13 @@
 """The batch's cache_salt on the wire (issue 19: tenants shared vLLM's prefix cache).
 
-The driver sends to a real aiohttp server that records every body; the salt is added to
-every request whose endpoint takes one, a line's own salt is kept under the batch's, and without a salt the
-bytes sent are the line's own. The cross-tenant effect on a real vLLM is
+The driver sends to the fake OpenAI server (tests/fake_openai.py), which records every body; the
+salt is added to every request whose endpoint takes one, a line's own salt is kept under the
+batch's, and without a salt the bytes sent are the line's own. The cross-tenant effect on a real vLLM is
 tests/integration/test_batch_api.py::test_tenants_share_no_prefix_cache."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from aibrix_operators.batch_api.tenant_salt import load_cache_salt_key, tenant_cache_salt
 from aibrix_operators.driver.cli import build_parser, config_from
@@ -19,26 +15,19 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.storage import LocalStorage
 from tests.driver.test_driver_faults import results_by_id, write_shard
-
-ANSWER = {"id": "c", "object": "chat.completion", "model": "m", "choices": [],
-          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+from tests.fake_openai import FakeOpenAI
 
 
 @pytest.fixture
-async def bodies():
-    seen: dict[str, dict] = {}  # the body's marker field -> the body received
+async def server():
+    server = await FakeOpenAI().astart()
+    yield server
+    await server.aclose()
 
-    async def record(request: web.Request) -> web.Response:
-        body = json.loads(await request.read())
-        seen[body["marker"]] = body
-        return web.json_response(ANSWER)
 
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", record)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    yield str(server.make_url("")).rstrip("/"), seen
-    await server.close()
+def by_marker(server: FakeOpenAI) -> dict[str, dict]:
+    """The body's marker field -> the body the server received."""
+    return {body["marker"]: body for _, body in server.received}
 
 
 def line(marker: str, url: str = "/v1/chat/completions", **body) -> dict:
@@ -67,10 +56,9 @@ async def _send(url: str, tmp_path, salt: str | None) -> None:
     )
 
 
-async def test_the_batch_salt_is_on_every_generation_request(bodies, tmp_path) -> None:
-    url, seen = bodies
-    await _send(url, tmp_path, "tenant-abc")
-    salts = {marker: body.get("cache_salt", "<none>") for marker, body in seen.items()}
+async def test_the_batch_salt_is_on_every_generation_request(server, tmp_path) -> None:
+    await _send(server.url, tmp_path, "tenant-abc")
+    salts = {marker: body.get("cache_salt", "<none>") for marker, body in by_marker(server).items()}
     assert salts == {
         "plain": "tenant-abc",
         "own": "tenant-abc:mine",  # kept under the batch's: a line cannot name another tenant's
@@ -84,11 +72,10 @@ async def test_the_batch_salt_is_on_every_generation_request(bodies, tmp_path) -
     }
 
 
-async def test_without_a_salt_a_lines_own_is_namespaced(bodies, tmp_path) -> None:
+async def test_without_a_salt_a_lines_own_is_namespaced(server, tmp_path) -> None:
     # A direct trigger with no batch salt cannot send a bare salt of the Batch API's form.
-    url, seen = bodies
-    await _send(url, tmp_path, None)
-    assert {m: b.get("cache_salt") for m, b in seen.items()} == {
+    await _send(server.url, tmp_path, None)
+    assert {m: b.get("cache_salt") for m, b in by_marker(server).items()} == {
         "plain": None, "own": "line:mine", "completion": None, "embedding": None, "not-a-string": 7,
         "responses": None, "score": None, "rerank": "line:mine",
     }  # fmt: skip
@@ -122,8 +109,10 @@ def test_the_salt_key_comes_from_the_variable_or_is_stored_there(caplog) -> None
     assert load_cache_salt_key("off", lambda: "from-variable", never) is None
     # Unset: a random key is stored in the Variable, where the workers read it to verify claims.
     stores: list[dict[str, str]] = [{}, {}]
-    one, two = (load_cache_salt_key("per-tenant", lambda s=s: s.get("v"), lambda v, s=s: s.update(v=v))
-                for s in stores)
+    one, two = (
+        load_cache_salt_key("per-tenant", lambda s=s: s.get("v"), lambda v, s=s: s.update(v=v))
+        for s in stores
+    )
     assert one != two and one == stores[0]["v"].encode() and len(one) == 64  # never a fixed fallback
     assert "aibrix_batch_cache_salt_key is not set" in caplog.text
 

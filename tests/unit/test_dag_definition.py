@@ -68,7 +68,7 @@ def test_every_templated_argument_is_a_template_field(dag) -> None:
 
 
 def test_dispatch_retries_outlast_node_losses_and_the_salt_reaches_dispatch(dag) -> None:
-    from aibrix_operators.airflow_recovery import DEFAULT_DISPATCH_RETRIES
+    from aibrix_operators.scheduling.recovery import DEFAULT_DISPATCH_RETRIES
 
     dispatch = dag.task_dict["dispatch"]
     # Issue 19, finding 17: two retries were spent by two lost scheduler nodes.

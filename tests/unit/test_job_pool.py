@@ -29,7 +29,8 @@ from aibrix_operators.client.errors import ExitCode, PoolConfigError
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.pipeline import BATCH_PARAMS
-from aibrix_operators.operators.shard_turns import (
+from aibrix_operators.operators.step_errors import step_error_code
+from aibrix_operators.scheduling.shard_turns import (
     CHECK_AT_MOST_EVERY_S,
     ENDED_STATES,
     MIN_CHECK_S,
@@ -37,7 +38,6 @@ from aibrix_operators.operators.shard_turns import (
     shards_to_wait_for,
     wait_for_turn,
 )
-from aibrix_operators.operators.step_errors import step_error_code
 from aibrix_operators.settings.job_pool import job_pool_limits
 
 POOL_YAML = """\

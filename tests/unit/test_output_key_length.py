@@ -9,7 +9,6 @@ import logging
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from aibrix_operators.batch.job import (
     finalize_batch,
@@ -24,6 +23,7 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.dropzone import core
 from aibrix_operators.dropzone.core import DropZone, InboxObject, claim, key_length_problem, parse_listing
 from aibrix_operators.storage import LocalStorage
+from tests.fake_openai import FakeOpenAI
 
 ZONE = DropZone.parse("s3://bkt/in/", "s3://bkt/results/")
 
@@ -44,22 +44,8 @@ class RecordingStorage(LocalStorage):
         return super().open_write(uri)
 
 
-async def _chat(request: web.Request) -> web.Response:
-    body = await request.json()
-    return web.json_response({"id": "c", "object": "chat.completion", "model": body["model"],
-                              "choices": [{"index": 0, "finish_reason": "stop",
-                                           "message": {"role": "assistant", "content": "ok"}}],
-                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-
 async def test_the_bound_is_the_longest_key_a_real_batch_writes(tmp_path, lines):
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", _chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = await FakeOpenAI().astart()
     try:
         storage = RecordingStorage()
         src = tmp_path / "in.jsonl"
@@ -67,19 +53,32 @@ async def test_the_bound_is_the_longest_key_a_real_batch_writes(tmp_path, lines)
         out = str(tmp_path / "out")
         run_id = "manual__2026-12-05T10:00:00+00:00"
         work = work_prefix(out, run_id)
-        _, batch = validate_batch(storage, str(src), out, min_window_s=1, prefix_grouping="auto",
-                                  prefix_order_uri=prefix_order_uri(work))
+        _, batch = validate_batch(
+            storage,
+            str(src),
+            out,
+            min_window_s=1,
+            prefix_grouping="auto",
+            prefix_order_uri=prefix_order_uri(work),
+        )
         assert batch is not None
-        shards = split_batch(storage, batch, work, requests_per_shard=5, bytes_per_shard=1 << 20,
-                             max_shards=8)
-        config = DriverConfig(endpoint=f"http://127.0.0.1:{port}/v1", concurrency=2, api_key_env=None,
-                              flush_interval_s=0.01, flush_every=2, progress_interval_s=60)
+        shards = split_batch(
+            storage, batch, work, requests_per_shard=5, bytes_per_shard=1 << 20, max_shards=8
+        )
+        config = DriverConfig(
+            endpoint=f"{server.url}/v1",
+            concurrency=2,
+            api_key_env=None,
+            flush_interval_s=0.01,
+            flush_every=2,
+            progress_interval_s=60,
+        )
         for shard in shards:
             await run_shard_of_batch(storage, shard, work, config)
         finalize_batch(storage, batch, shards, work)
         request_cancel(storage, work)
     finally:
-        await runner.cleanup()
+        await server.aclose()
     under_work = [uri for uri in storage.written if uri.startswith(work + "/")]
     beside = [uri for uri in storage.written if not uri.startswith(work + "/")]
     assert {uri.rsplit("/", 1)[-1] for uri in beside} == {"output.jsonl", "errors.jsonl", "batch.json"}
@@ -112,8 +111,10 @@ def test_a_drop_whose_batch_would_pass_the_s3_key_limit_is_refused_before_anythi
     assert "not starting a batch" in caplog.text and "over S3's limit" in caplog.text
     # Listing leaves it out (one warning per process), so it never takes a claim's place.
     core._refused.discard(name)
-    listed = [{"Key": f"in/{name}", "ETag": '"e"', "Size": 10},
-              {"Key": "in/ok.jsonl", "ETag": '"e"', "Size": 1}]
+    listed = [
+        {"Key": f"in/{name}", "ETag": '"e"', "Size": 10},
+        {"Key": "in/ok.jsonl", "ETag": '"e"', "Size": 1},
+    ]
     with caplog.at_level(logging.WARNING, logger="aibrix_operators.dropzone.core"):
         assert [o.name for o in parse_listing(ZONE, listed)] == ["ok.jsonl"]
         assert [o.name for o in parse_listing(ZONE, listed)] == ["ok.jsonl"]
@@ -123,7 +124,7 @@ def test_a_drop_whose_batch_would_pass_the_s3_key_limit_is_refused_before_anythi
 def test_the_longest_accepted_name_writes_keys_of_exactly_1024_bytes():
     def longest(name: str) -> int:
         work = work_prefix(ZONE.output_uri(name), core.run_id_for(name, "0" * 64))
-        return len(work[len("s3://bkt/"):].encode()) + LONGEST_WORK_KEY_SUFFIX
+        return len(work[len("s3://bkt/") :].encode()) + LONGEST_WORK_KEY_SUFFIX
 
     fits = max(n for n in range(1, 1024) if key_length_problem(ZONE, "a" * n) is None)
     assert longest("a" * fits) <= S3_MAX_KEY_BYTES < longest("a" * (fits + 1))
@@ -139,8 +140,14 @@ def test_the_validate_step_refuses_an_s3_output_whose_keys_would_be_too_long(sto
     out_storage = NoWrites()
     output = "s3://bkt/" + "o" * 900
     work = work_prefix(output, "scheduled__2026-12-05T10:00:00+00:00")
-    report, batch = validate_batch(storage, write_file(lines(2)), output, min_window_s=1,
-                                   output_storage=out_storage, prefix_order_uri=prefix_order_uri(work))
+    report, batch = validate_batch(
+        storage,
+        write_file(lines(2)),
+        output,
+        min_window_s=1,
+        output_storage=out_storage,
+        prefix_order_uri=prefix_order_uri(work),
+    )
     assert batch is None
     [error] = report.errors
     assert (error.code, error.param) == ("invalid_output_uri", "output_uri")
@@ -148,8 +155,17 @@ def test_the_validate_step_refuses_an_s3_output_whose_keys_would_be_too_long(sto
     assert out_storage.record[1]["errors"]["data"][0]["code"] == "invalid_output_uri"
     # A shorter output validates.
     ok = "s3://bkt/" + "o" * 800
-    assert validate_batch(storage, write_file(lines(2)), ok, min_window_s=1, output_storage=out_storage,
-                          prefix_order_uri=prefix_order_uri(work_prefix(ok, "r")))[1] is not None
+    assert (
+        validate_batch(
+            storage,
+            write_file(lines(2)),
+            ok,
+            min_window_s=1,
+            output_storage=out_storage,
+            prefix_order_uri=prefix_order_uri(work_prefix(ok, "r")),
+        )[1]
+        is not None
+    )
 
 
 @pytest.mark.parametrize("name", ["a.jsonl", "team/q3/reviews.jsonl", "x" * 700])
