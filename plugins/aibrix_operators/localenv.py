@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from aibrix_operators.scheduling.recovery import RECOVERY_ENV
-from aibrix_operators.trust import local_development_policy
+from aibrix_operators.trust.policy import local_development_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / ".work"

@@ -15,9 +15,9 @@ from aiohttp.test_utils import TestServer
 
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
-from aibrix_operators.settings.trust import resolve_inference
 from aibrix_operators.storage import LocalStorage
-from aibrix_operators.trust import TrustPolicy, TrustViolation, endpoint_form_problem, under_base
+from aibrix_operators.trust.deployment import resolve_inference
+from aibrix_operators.trust.policy import TrustPolicy, TrustViolation, endpoint_form_problem, under_base
 from tests.driver.test_driver_faults import results_by_id, write_shard
 
 MESSAGE = {"role": "assistant", "content": "ok"}

@@ -275,7 +275,7 @@ def test_s3_uris_are_checked_and_used_in_one_parsed_form(s3):
     # Issue 19, finding 5: "s3://b/out/\t../\t../secret/x" passed the allow-list and was sent as
     # out/../../secret/x. And "#" or "?" in a key cut it short under urlparse.
     from aibrix_operators.storage import S3Storage, StorageError
-    from aibrix_operators.trust import TrustPolicy, TrustViolation
+    from aibrix_operators.trust.policy import TrustPolicy, TrustViolation
 
     policy = TrustPolicy(endpoints=(), storage=(f"s3://{TEST_BUCKET}/out/",), aws_conn_ids=(),
                          inference_conn_ids=())  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from aibrix_operators.operators.batch import MergeBatchOperator, SplitBatchOperator, ValidateBatchOperator
 from aibrix_operators.operators.dispatch import DispatchShardOperator
-from aibrix_operators.trust import DEFAULT_CHAIN
+from aibrix_operators.trust.policy import DEFAULT_CHAIN
 
 
 class TaskInstance:

@@ -117,7 +117,7 @@ def test_no_production_module_or_dag_imports_the_dev_room() -> None:
     """``localenv`` and ``local_airflow`` know this checkout (its .work folder, a local Airflow):
     what a deployment runs must not reach them, or it would fall back to a folder of the
     installed package (issue 37: one node's disk). Locations and the allow-list are deployment
-    settings (settings/locations.py, settings/trust.py); the dev room sets them for local runs."""
+    settings (settings/locations.py, trust/deployment.py); the dev room sets them for local runs."""
     graph = import_graph()
     reaching = sorted((m, t) for m, targets in graph.items() if m not in DEV_ROOM
                       for t in targets if t in DEV_ROOM)
@@ -126,4 +126,29 @@ def test_no_production_module_or_dag_imports_the_dev_room() -> None:
                   if any(room in p.read_text() for room in DEV_ROOM))
     assert dags == []
     # The check sees what it must: the dev room imports the package, not the other way round.
-    assert "aibrix_operators.trust" in graph["aibrix_operators.localenv"]
+    assert "aibrix_operators.trust.policy" in graph["aibrix_operators.localenv"]
+
+
+def imports_airflow(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == "airflow" or n.startswith("airflow.") for n in names):
+            return True
+    return False
+
+
+def test_the_trust_room_checks_without_airflow() -> None:
+    """The allow-list checks and the redaction are plain code a driver pod, the router or a
+    test can run without Airflow (issue 38: the trust room); only ``trust/deployment.py`` reads
+    Airflow's config. Every module they reach counts, not only their own lines."""
+    graph, mods = import_graph(), modules()
+    reached, todo = set(), ["aibrix_operators.trust.policy", "aibrix_operators.trust.redact"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    assert sorted(m for m in reached if imports_airflow(mods[m])) == []
+    assert "aibrix_operators.storage" in reached  # the walk follows the arrows
+    assert imports_airflow(mods["aibrix_operators.trust.deployment"])

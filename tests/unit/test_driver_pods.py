@@ -12,7 +12,7 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.outcome import judge_pod, parse_outcome
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
 from aibrix_operators.operators.step_errors import step_error_code
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.policy import TrustViolation
 
 NOW = 1_800_000_000.0
 REQ = DriverPodRequest(

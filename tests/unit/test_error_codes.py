@@ -81,7 +81,7 @@ CODED = {
     "aibrix_operators.storage": {"StorageError": ("storage_error", True)},
     "aibrix_operators.batch.shard_answers": {"ExactlyOnceViolation": ("exactly_once_violation", False)},
     "aibrix_operators.driver.shard_outcome": {"ShardChanged": ("input_changed", False)},
-    "aibrix_operators.trust": {"TrustViolation": ("refused_by_policy", False)},
+    "aibrix_operators.trust.policy": {"TrustViolation": ("refused_by_policy", False)},
     "aibrix_operators.lora.serving": {"AdapterLoadFailed": ("adapter_load_failed", False),
                                       "AdapterServerUnreachable": ("endpoint_unavailable", True),
                                       "AdapterStoreUnavailable": ("storage_error", True)},

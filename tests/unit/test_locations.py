@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from aibrix_operators.settings.locations import LocationNotSet, default_output_uri, lora_cache_dir
-from aibrix_operators.settings.trust import load_policy
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.deployment import load_policy
+from aibrix_operators.trust.policy import TrustViolation
 
 KEYS = ("OUTPUT_ROOT", "API_STORAGE_ROOT", "EVAL_REPORT_ROOT", "LORA_CACHE_DIR", "ALLOWED_ENDPOINTS",
         "ALLOWED_STORAGE", "ALLOWED_AWS_CONN_IDS", "ALLOWED_INFERENCE_CONN_IDS")

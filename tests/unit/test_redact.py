@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from aibrix_operators.driver.answers import Failure, describe, expired_line
-from aibrix_operators.redact import INTERNAL, scrub_addresses, scrub_json
+from aibrix_operators.trust.redact import INTERNAL, scrub_addresses, scrub_json
 
 
 @pytest.mark.parametrize("text, gone", [

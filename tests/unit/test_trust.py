@@ -7,7 +7,7 @@ import os
 import pytest
 
 from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.trust import (
+from aibrix_operators.trust.policy import (
     DEFAULT_CHAIN,
     TrustPolicy,
     TrustViolation,

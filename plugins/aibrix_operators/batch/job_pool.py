@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.policy import TrustViolation
 
 GPU_POLICIES = ("pack", "spread")
 KEYS = ("max_workers", "memory_per_job", "gpu_policy", "requests_per_shard", "concurrency")

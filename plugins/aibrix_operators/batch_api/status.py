@@ -23,7 +23,7 @@ from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.batch.window_outlook import window_outlook
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
-from aibrix_operators.redact import scrub_addresses
+from aibrix_operators.trust.redact import scrub_addresses
 
 __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
 # The batch object's extension field (beside OpenAI's, like monitor_url) for the in-progress

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
-from aibrix_operators.trust import endpoint_matches
+from aibrix_operators.trust.policy import endpoint_matches
 
 SHARED = "shared"
 DEDICATED = "dedicated"

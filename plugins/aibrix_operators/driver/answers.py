@@ -26,7 +26,7 @@ from aibrix_operators.driver.retry import (
     is_retryable_status,
     parse_retry_after,
 )
-from aibrix_operators.redact import scrub_addresses, scrub_json
+from aibrix_operators.trust.redact import scrub_addresses, scrub_json
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.cache_salt import check_cache_salt
-from aibrix_operators.trust import endpoint_form_problem, under_base
+from aibrix_operators.trust.policy import endpoint_form_problem, under_base
 
 # How long a shard's preflight waits for a starting or restarting endpoint (driver/preflight.py):
 # the operator's, the DAG param's, the pod's and the CLI's default.

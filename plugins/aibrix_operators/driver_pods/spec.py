@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.policy import TrustViolation
 
 # The CLI in the driver image (inference_images/batch_driver/): same entry point as the Dockerfile's.
 DRIVER_COMMAND = ("python", "-m", "aibrix_operators.driver.cli")

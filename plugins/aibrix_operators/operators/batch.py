@@ -48,9 +48,9 @@ from aibrix_operators.operators.step_errors import collect_step_errors, records_
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.lora import load_adapter_registry
-from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
-from aibrix_operators.trust import TrustPolicy, TrustViolation, describe
+from aibrix_operators.trust.deployment import load_policy, resolve_inference
+from aibrix_operators.trust.policy import TrustPolicy, TrustViolation, describe
 
 log = logging.getLogger(__name__)
 # XCom key under which validate says where its failure was recorded (or why it was not).

@@ -45,9 +45,9 @@ from aibrix_operators.settings.capacity import capacity_for
 from aibrix_operators.settings.driver_pods import load_driver_pod_settings
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.lora import adapter_cache_dir, load_adapter_registry, router_admin_token
-from aibrix_operators.settings.trust import load_policy, resolve_inference
 from aibrix_operators.storage import Storage
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.deployment import load_policy, resolve_inference
+from aibrix_operators.trust.policy import TrustViolation
 
 EXECUTION_MODES = ("local", "kubernetes")
 

@@ -12,8 +12,8 @@ from aibrix_operators.evaluation import steps
 from aibrix_operators.evaluation.suites import load_suites
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
 from aibrix_operators.settings.locations import eval_report_root
-from aibrix_operators.settings.trust import load_policy
-from aibrix_operators.trust import TrustViolation
+from aibrix_operators.trust.deployment import load_policy
+from aibrix_operators.trust.policy import TrustViolation
 
 log = logging.getLogger(__name__)
 

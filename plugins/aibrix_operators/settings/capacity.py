@@ -23,7 +23,7 @@ from dataclasses import fields
 
 from aibrix_operators import config_sections
 from aibrix_operators.capacity.mode import CapacityRefused, SharedCapacity, choose_capacity
-from aibrix_operators.trust import parse_list
+from aibrix_operators.trust.policy import parse_list
 
 SECTION = config_sections.BATCH
 _INTEGER_KEYS = ("batch_priority", "online_priority", "target_inflight", "max_waiting", "batch_queue")

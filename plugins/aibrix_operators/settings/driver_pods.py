@@ -35,7 +35,7 @@ from typing import Any
 
 from aibrix_operators import config_sections
 from aibrix_operators.driver_pods.spec import DriverPodSettings
-from aibrix_operators.trust import parse_list
+from aibrix_operators.trust.policy import parse_list
 
 SECTION = config_sections.BATCH
 # config key -> DriverPodSettings field

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aibrix_operators import config_sections
-from aibrix_operators.trust import (
+from aibrix_operators.trust.policy import (
     TrustPolicy,
     TrustViolation,
     connection_url,

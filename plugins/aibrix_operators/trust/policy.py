@@ -2,7 +2,7 @@
 
 Whoever may trigger a run chooses its params; the deployment chooses what a
 worker may reach with its identity. A ``TrustPolicy`` (built from Airflow
-config by ``settings/trust.py``; this module imports no Airflow) lists:
+config by ``trust/deployment.py``; this module imports no Airflow) lists:
 
 * ``endpoints``: inference base URLs a free-form ``endpoint`` param may name —
   ``scheme://host[:port][/path]`` patterns, port ``*`` for any port;
