@@ -359,6 +359,11 @@ class FakeOpenAI:
         self.storm: int | None = None  # set to 503 (say): every request gets that status
         self.healthy = True
         self.gauges = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+        # OpenAI's Files and Batches API, answered with this fake's answers. Imported here: run as
+        # a script (the RawStub), tests/ is not a package on the path.
+        from tests.fake_openai_batches import BatchService
+
+        self.batches = BatchService(model=model)
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -409,6 +414,7 @@ class FakeOpenAI:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        self.batches.add_routes(app)
         return app
 
     async def _serve(self) -> None:
