@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, Asset, Param
 
 from aibrix_operators.operators.pipeline import BATCH_PARAMS, add_batch_tasks, from_params
 from aibrix_operators.settings.locations import default_output_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Every batch's end is an event of this Asset, its extra the batch (id, status, counts, usage,
+# model, output_uri): DAGs scheduled on it run on each batch (docs/operator.md#assets).
+BATCH_OUTPUTS = Asset(name="aibrix_batch_inference_outputs", uri="aibrix-batch://batch_inference/outputs")
 
 # The trigger's output_uri, or a directory of the run's own (never a shared "latest").
 OUTPUT_URI = "{{ params.output_uri or default_output_uri(run_id) }}"
@@ -46,4 +50,5 @@ with DAG(
     user_defined_macros={"default_output_uri": default_output_uri},
     doc_md=__doc__,
 ) as dag:
-    add_batch_tasks(from_params(), input_uri="{{ params.input_uri }}", output_uri=OUTPUT_URI)
+    add_batch_tasks(from_params(), input_uri="{{ params.input_uri }}", output_uri=OUTPUT_URI,
+                    outlets=[BATCH_OUTPUTS])

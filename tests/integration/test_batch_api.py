@@ -27,10 +27,13 @@ from aibrix_operators.batch_api.auth import key_digest
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, tenant_cache_salt
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
-from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl
+from aibrix_operators.serving.local_vllm import free_port
+from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_BUNDLE = "airflow.dag_processing.bundles.local.LocalDagBundle"
 MAX_UPLOAD = 2 * 1024 * 1024
 SALT_KEY = "salt-key-" + secrets.token_hex(16)
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -53,6 +56,7 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
     home = tmp_path_factory.mktemp("airflow-batch-api")
     root = tmp_path_factory.mktemp("batch-api-root")
     keys = {"alpha": "sk-alpha-" + secrets.token_hex(16), "beta": "sk-beta-" + secrets.token_hex(16)}
+    port = free_port()
     env = {
         **airflow_session_env, "AIRFLOW_HOME": str(home),
         # Only digests are configured; the raw keys exist in this test alone.
@@ -64,8 +68,17 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
         # The per-tenant cache_salt key (batch_api/tenant_salt.py), shared by the api-server's
         # workers as a deployment's would be.
         "AIRFLOW_VAR_AIBRIX_BATCH_CACHE_SALT_KEY": SALT_KEY,
+        # A user's DAGs beside the pipeline's, as a second bundle (the operator's test): they
+        # reach the Batch API through an aibrix_batch connection, as tenant beta.
+        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([
+            {"name": "dags-folder", "classpath": LOCAL_BUNDLE, "kwargs": {"path": str(REPO / "dags")}},
+            {"name": "user-dags", "classpath": LOCAL_BUNDLE,
+             "kwargs": {"path": str(REPO / "examples" / "dags")}},
+        ]),
+        "AIRFLOW_CONN_AIBRIX_BATCH_DEFAULT": json.dumps({
+            "conn_type": "aibrix_batch", "host": f"http://127.0.0.1:{port}", "password": keys["beta"]}),
     }
-    deployment = start_airflow(env, home)
+    deployment = start_airflow(env, home, port)
     try:
         token = deployment.token()
         deadline = time.monotonic() + 120
@@ -409,3 +422,70 @@ from tests.integration.batch_client_cases import (  # noqa: E402, F401
     test_client_and_sdk_agree_on_one_batch,
     test_monitor_url_opens_the_run_in_the_airflow_ui,
 )
+
+
+def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path):
+    """Issue 39: a user's DAG (examples/dags/batch_operator_example.py, its own bundle) runs
+    AIBrixBatchOperator on the real scheduler and triggerer against this Batch API and vLLM: the
+    task waits deferred (no worker slot), returns the batch through XCom, and its Asset's event
+    carries the batch to the DAG scheduled on it."""
+    requests = chat_requests(40)
+    input_file = write_jsonl(tmp_path / "input.jsonl", requests)
+    deployment, token = api.airflow, api.airflow.token()
+    deadline = time.monotonic() + 120
+    while True:  # the user bundle is parsed shortly after start
+        try:
+            for dag_id in ("batch_operator_example", "batch_operator_example_scores"):
+                deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "the user bundle's DAGs were never parsed"
+            time.sleep(1)
+    run = deployment.api("POST", "/api/v2/dags/batch_operator_example/dagRuns", {
+        "logical_date": None, "conf": {"input_file": str(input_file), "model": SERVED_NAME}}, token)
+    ti_path = f"/api/v2/dags/batch_operator_example/dagRuns/{run['dag_run_id']}/taskInstances/answer"
+    states: set[str] = set()
+    deadline = time.monotonic() + 300
+    while run["state"] not in ("success", "failed"):
+        assert time.monotonic() < deadline, f"run still {run['state']}; answer was {states}"
+        try:
+            states.add(deployment.api("GET", ti_path, token=token)["state"])
+        except AssertionError:
+            pass  # not created yet
+        time.sleep(0.5)
+        run = deployment.api("GET", f"/api/v2/dags/batch_operator_example/dagRuns/{run['dag_run_id']}",
+                             token=token)
+    assert run["state"] == "success", deployment.failure_report("batch_operator_example", run["dag_run_id"])
+    assert "deferred" in states, states  # it waited in the triggerer, not in a worker slot
+    ti = deployment.api("GET", ti_path, token=token)
+    assert ti["try_number"] == 1, ti
+
+    xcom = deployment.api("GET", f"{ti_path}/xcomEntries/return_value?deserialize=true&stringify=false",
+                          token=token)
+    result = json.loads(xcom["value"]) if isinstance(xcom["value"], str) else xcom["value"]
+    client = api.client("beta")
+    batch = client.batches.retrieve(result["batch_id"])
+    assert batch.status == "completed" and result["status"] == "completed"
+    assert result["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    output = content(client, result["output_file_id"])
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
+    key = batch.metadata["airflow_task_key"]
+    listed = client.batches.list(limit=100)
+    keyed = [b.id for b in listed if (b.metadata or {}).get("airflow_task_key") == key]
+    assert keyed == [batch.id]  # one batch for the task
+
+    # The Asset's event carries the batch, and the DAG scheduled on the Asset ran on it.
+    events = deployment.api("GET", "/api/v2/assets/events?source_dag_id=batch_operator_example",
+                            token=token)["asset_events"]
+    [event] = [e for e in events if e["source_run_id"] == run["dag_run_id"]]
+    assert event["extra"]["batch_id"] == batch.id and event["extra"]["request_counts"]["completed"] == 40
+    deadline = time.monotonic() + 120
+    while True:
+        runs = deployment.api("GET", "/api/v2/dags/batch_operator_example_scores/dagRuns",
+                              token=token)["dag_runs"]
+        if any(r["state"] == "success" for r in runs):
+            break
+        assert time.monotonic() < deadline and not any(r["state"] == "failed" for r in runs), runs
+        time.sleep(1)
+    [scored] = [r for r in runs if r["state"] == "success"]
+    assert scored["run_type"] == "asset_triggered", scored

@@ -340,7 +340,17 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
                         failed=counts["failed"], shards_done=len(shards))
         result = obj.as_dict()
         result["summary"] = summary.as_dict()
+        for outlet in self.outlets or ():
+            if getattr(outlet, "uri", None) is not None:  # an Asset: its event carries the batch
+                context["outlet_events"][outlet].extra = asset_extra(result, batch)
         return result
+
+
+def asset_extra(result: dict[str, Any], batch: ValidatedBatch) -> dict[str, Any]:
+    """What a batch's Asset event tells the DAGs scheduled on it (docs/operator.md#assets)."""
+    return {"batch_id": result["id"], "status": result["status"], "model": batch.model,
+            "request_counts": result["request_counts"], "usage": result.get("usage"),
+            "output_uri": batch.output_uri, "metadata": batch.metadata}
 
 
 class RecordBatchFailureOperator(UsesBatchStorage, BaseOperator):

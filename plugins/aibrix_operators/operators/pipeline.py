@@ -13,7 +13,7 @@ with its own defaults); ``add_batch_tasks`` takes one value per param, a templat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from airflow.sdk import Param
@@ -28,6 +28,7 @@ from aibrix_operators.batch.records import (
     SUPPORTED_ENDPOINTS,
 )
 from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, default
+from aibrix_operators.notifications.webhook import BatchWebhookNotifier
 from aibrix_operators.operators.batch import (
     MergeBatchOperator,
     RecordBatchFailureOperator,
@@ -170,13 +171,16 @@ class BatchTasks(NamedTuple):
 
 
 def add_batch_tasks(
-    args: Mapping[str, Any], *, input_uri: Any, output_uri: Any, group_id: str | None = None
+    args: Mapping[str, Any], *, input_uri: Any, output_uri: Any, group_id: str | None = None,
+    outlets: Sequence[Any] = (),
 ) -> BatchTasks:
     """Add the pipeline's tasks to the DAG or TaskGroup being defined.
 
     ``args`` holds a value for every name in ``BATCH_PARAMS`` (a missing or extra one is an
     error: that is how the two callers stayed in step). ``group_id`` is the enclosing
-    TaskGroup's, so record_failure can find its steps' task ids.
+    TaskGroup's, so record_failure can find its steps' task ids. ``outlets``: the Assets whose
+    event merge emits when the batch ends, its extra the batch (``asset_extra``). The batch's
+    end is also told to the deployment's webhook, if it sets one (notifications/webhook.py).
     """
     missing, extra = set(BATCH_PARAMS) - set(args), set(args) - set(BATCH_PARAMS)
     if missing or extra:
@@ -210,12 +214,15 @@ def add_batch_tasks(
         # Retries resume from checkpoints; sized for node losses (scheduling/recovery.py).
         **dispatch_retry_policy(),
     ).expand(shard=split.output)  # fmt: skip
+    notify = BatchWebhookNotifier(validate_task_id=f"{prefix}{Step.VALIDATE}")
     merge = MergeBatchOperator(task_id=Step.MERGE.value, validated=validate.output, shards=split.output,
-                               outcomes=dispatch.output, aws_conn_id=a["aws_conn_id"])  # fmt: skip
+                               outcomes=dispatch.output, aws_conn_id=a["aws_conn_id"], outlets=list(outlets),
+                               on_success_callback=notify)  # fmt: skip
     record_failure = RecordBatchFailureOperator(
         task_id=Step.RECORD_FAILURE.value, aws_conn_id=a["aws_conn_id"], output_uri=output_uri,
         input_uri=input_uri, trigger_rule="one_failed", validate_task_id=f"{prefix}{Step.VALIDATE}",
         step_task_ids=tuple(f"{prefix}{t}" for t in (Step.SPLIT, Step.DISPATCH, Step.MERGE)),
+        on_failure_callback=notify,
     )  # fmt: skip
     [validate, split, dispatch, merge] >> record_failure
     # Serving roles: act only with execution_mode=kubernetes and [aibrix_scaling] roles set;

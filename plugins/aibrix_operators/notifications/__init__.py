@@ -1,0 +1,1 @@
+"""Airflow notifiers the pipeline attaches to a batch's end (docs/operator.md#notifications)."""
