@@ -1,7 +1,8 @@
 """A user's DAG with batch inference as one step: ``AIBrixBatchOperator`` sends a JSONL file
 through an OpenAI-compatible Batch API (this project's, or any other the ``aibrix_batch``
 connection names), defers while it runs, and hands the batch's result to the next task; its
-Asset gets an event carrying the batch (ids, counts, usage) for DAGs scheduled on it.
+Asset gets an event carrying the batch (ids, counts, usage), and ``batch_operator_example_scores``,
+scheduled on that Asset, runs on every such event and reads the batch from it.
 
 Copy it into your DAGs folder and create the connection, e.g.::
 
@@ -58,3 +59,19 @@ with DAG(
         return summary
 
     score(answer.output)
+
+
+with DAG("batch_operator_example_scores", schedule=[ANSWERS], catchup=False, tags=["aibrix", "example"]):
+
+    @task
+    def score_event(triggering_asset_events: dict | None = None) -> list[dict]:
+        """Runs on the upstream DAG's batches (one event each): each event's extra is a batch."""
+        assert triggering_asset_events is not None
+        scores = []
+        for event in triggering_asset_events[ANSWERS]:
+            counts = event.extra["request_counts"]
+            scores.append({"batch_id": event.extra["batch_id"],
+                           "answered": counts["completed"] / max(counts["total"], 1)})
+        return scores
+
+    score_event()
