@@ -104,22 +104,3 @@ def test_a_failed_batch_fails_the_task_with_its_errors_not_retried(fake, user_en
     assert "model_not_found (line 1): The model 'no-such-model' does not exist" in out
     # The batch's own failure: no retry, so no second batch (the task has retries=2).
     assert len(fake.batches.creates) == 1
-
-
-def test_a_model_mismatch_is_refused_before_anything_is_sent(fake, user_env, tmp_path):
-    input_file = write_jsonl(tmp_path / "input.jsonl", chat_requests(2, model="other-model"))
-    proc = run_example(user_env, fake, {"input_file": str(input_file), "model": SERVED_NAME},
-                       tmp_path / "dags-test.log")
-    out = proc.stdout + proc.stderr
-    refusal = f"input_file: line 1 asks for model 'other-model', the task for '{SERVED_NAME}'"
-    assert refusal in out, out[-4000:]
-    assert fake.batches.files == {} and fake.batches.creates == []
-
-
-def test_an_input_outside_the_allow_list_is_refused(fake, user_env, tmp_path):
-    """Params come from whoever triggers the run: the worker reads only what the deployment allows."""
-    proc = run_example(user_env, fake, {"input_file": "/etc/passwd", "model": SERVED_NAME},
-                       tmp_path / "dags-test.log")
-    out = proc.stdout + proc.stderr
-    assert "refused by the allow-list rule allowed_storage: input_file '/etc/passwd'" in out, out[-4000:]
-    assert fake.batches.files == {}
