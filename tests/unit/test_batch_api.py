@@ -263,3 +263,25 @@ def test_timestamps_are_set_with_their_status_and_never_move():
     done.batch_json = {"status": "completed", "in_progress_at": 5, "finalizing_at": 9, "completed_at": 10,
                        "request_counts": {"total": 1, "completed": 1, "failed": 0}}
     assert batch_object(live)["in_progress_at"] == batch_object(done)["in_progress_at"] == 2
+
+
+def test_a_running_batch_offers_its_finished_shards_answers_until_it_ends():
+    """Issue 39: the partial output is offered while the batch runs and a shard has finished;
+    never before the first shard ends, never once the batch has ended (its output is final)."""
+    from aibrix_operators.batch_api import extensions
+    from aibrix_operators.batch_api.ids import batch_of_output_file
+
+    running = _snap(validate=["success"], split=["success"], dispatch=["success", "running", "queued"])
+    running.shard_count, running.shards_done = 3, (0,)
+    shown = batch_object(running)
+    partial = shown[extensions.PARTIAL_OUTPUT_FILE_ID]
+    assert partial == "file-" + "0" * 32 + "-partial"
+    assert batch_of_output_file(partial, "partial") == running.batch_id
+    assert shown[extensions.SHARDS] == {"total": 3, "done": 1}
+    running.shards_done = ()
+    assert batch_object(running)[extensions.PARTIAL_OUTPUT_FILE_ID] is None  # nothing finished yet
+    ended = _snap("success", validate=["success"], dispatch=["success"] * 3, merge=["success"])
+    ended.shard_count, ended.shards_done, ended.batch_json = 3, (0, 1, 2), {"status": "completed"}
+    shown = batch_object(ended)
+    assert shown[extensions.PARTIAL_OUTPUT_FILE_ID] is None and shown[extensions.SHARDS] is None
+    assert batch_of_output_file("file-abc-output", "partial") is None

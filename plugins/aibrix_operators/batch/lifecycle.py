@@ -90,6 +90,10 @@ class RunSnapshot:
     # (total, answered, errors) from the drivers' checkpoints while dispatch runs.
     live_counts: tuple[int, int, int] | None = None
     total_requests: int | None = None
+    # While dispatch runs: how many shards the batch has, and which have finished (their
+    # dispatch succeeded): the partial output is theirs.
+    shard_count: int | None = None
+    shards_done: tuple[int, ...] = ()
 
     def step(self, step: Step) -> list[TaskState]:
         return self.tasks.get(step, [])

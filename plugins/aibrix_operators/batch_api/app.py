@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -43,6 +43,7 @@ from aibrix_operators.batch_api.files import FileStore, StoredFile
 from aibrix_operators.batch_api.ids import (
     BATCH_ID_RE,
     FILE_ID_RE,
+    batch_of_output_file,
     check_batch_id,
     check_file_id,
     new_batch_id,
@@ -50,7 +51,7 @@ from aibrix_operators.batch_api.ids import (
 )
 from aibrix_operators.batch_api.request_limits import RequestLimits
 from aibrix_operators.batch_api.settings import ApiSettings
-from aibrix_operators.batch_api.status import batch_object
+from aibrix_operators.batch_api.status import PARTIAL_KIND, PARTIAL_OUTPUT_KEY, batch_object
 from aibrix_operators.batch_api.tenant_salt import salt_claim
 from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.lora.registry import AdapterRegistryError
@@ -191,8 +192,13 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
         **common}, response_class=StreamingResponse)
     def file_content(file_id: FileId, tenant: Tenant) -> StreamingResponse:
+        ctx = context()
+        partial_of = batch_of_output_file(check_file_id(file_id), PARTIAL_KIND)
+        if partial_of is not None:
+            return StreamingResponse(_partial_output(ctx, tenant, partial_of, file_id),
+                                     media_type="application/octet-stream")
         try:
-            chunks = context().files.open_content(tenant, check_file_id(file_id))
+            chunks = ctx.files.open_content(tenant, file_id)
         except StorageError:
             raise not_found("file", file_id) from None
         return StreamingResponse(chunks, media_type="application/octet-stream")
@@ -330,6 +336,24 @@ def _row(ctx: ApiContext, tenant: str, batch_id: str) -> RunRow:
     if row is None:
         raise not_found("batch", batch_id)
     return row
+
+
+def _partial_output(ctx: ApiContext, tenant: str, batch_id: str, file_id: str) -> Iterator[bytes]:
+    """The answers of the batch's finished shards, while it runs (the batch object's
+    ``aibrix_partial_output_file_id``). Checked before the first byte: a batch of another tenant,
+    one that has ended or none of whose shards has finished is a 404 that says which."""
+    try:
+        row = ctx.runs.get(run_id_for(tenant, check_batch_id(batch_id)))
+    except ApiError:
+        row = None
+    if row is None:
+        raise not_found("file", file_id)
+    snap = ctx.runs.snapshots([row])[0]
+    if batch_object(snap)[PARTIAL_OUTPUT_KEY] != file_id:
+        raise ApiError(404, f"batch {batch_id} has no partial output now: it has ended (read its "
+                            "output_file_id) or none of its shards has finished yet",
+                       "partial_output_unavailable", "file_id")
+    return ctx.runs.partial_output(snap, row.run_id)
 
 
 def _view(ctx: ApiContext, tenant: str, row: RunRow) -> dict[str, Any]:

@@ -47,6 +47,13 @@ def output_file_id(batch_id: str, kind: str) -> str:
     return f"file-{batch_id.removeprefix('batch_')}-{kind}"
 
 
+def batch_of_output_file(file_id: str, kind: str) -> str | None:
+    """The batch whose ``kind`` file ``file_id`` is (``output_file_id``'s inverse), or None."""
+    if not file_id.startswith("file-") or not file_id.endswith(f"-{kind}"):
+        return None
+    return "batch_" + file_id.removeprefix("file-").removesuffix(f"-{kind}")
+
+
 def check_tenant(name: str) -> str:
     if not TENANT_RE.fullmatch(name):
         raise ValueError(f"tenant name {name!r} must match {TENANT_RE.pattern}")

@@ -68,6 +68,11 @@ class RequestCounts(BaseModel):
     failed: int
 
 
+class ShardProgress(BaseModel):
+    total: int
+    done: int
+
+
 class Batch(BaseModel):
     id: str
     object: Literal["batch"]
@@ -98,6 +103,10 @@ class Batch(BaseModel):
     aibrix_status: str | None = None
     # Of request_counts.failed, the requests the cancel or the window's end left unanswered.
     aibrix_unanswered: int | None = None
+    # Not OpenAI's: while in progress, a file of every finished shard's answers (its content
+    # grows as shards finish), and the shards done of all; null before the first and at the end.
+    aibrix_partial_output_file_id: str | None = None
+    aibrix_shards: ShardProgress | None = None
 
 
 class BatchList(BaseModel):

@@ -21,17 +21,21 @@ from aibrix_operators.batch.lifecycle import (
 )
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.batch.window_outlook import window_outlook
+from aibrix_operators.batch_api import extensions
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.ids import output_file_id
 from aibrix_operators.trust.redact import scrub_addresses
 
 __all__ = ["TERMINAL", "RunSnapshot", "TaskState", "batch_object", "batch_status"]
-# The batch object's extension field (beside OpenAI's, like monitor_url) for the in-progress
-# status line. Not in ``metadata``: that stays exactly what the client sent (OpenAI allows 16
-# pairs, and a batch created with 16 must not come back with 17).
-STATUS_LINE_KEY = "aibrix_status"
+# The batch object's extension fields (beside OpenAI's, like monitor_url). Not in ``metadata``:
+# that stays exactly what the client sent (OpenAI allows 16 pairs, and a batch created with 16
+# must not come back with 17).
+STATUS_LINE_KEY = extensions.STATUS_LINE
 # batch.json's count of requests a cancel or the window left unanswered (BatchObject's field).
-UNANSWERED_KEY = "aibrix_unanswered"
+UNANSWERED_KEY = extensions.UNANSWERED
+PARTIAL_OUTPUT_KEY = extensions.PARTIAL_OUTPUT_FILE_ID
+SHARDS_KEY = extensions.SHARDS
+PARTIAL_KIND = "partial"  # the partial output's file id: output_file_id(batch, PARTIAL_KIND)
 
 
 def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
@@ -106,6 +110,12 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "usage": published.get("usage") if status in TERMINAL else None,
         STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, expires_at, now),
         UNANSWERED_KEY: _unanswered(published) if status in TERMINAL else None,
+        # Results while the batch runs (docs/batch-api.md#partial-results): the finished shards'
+        # answers, as a file whose content grows as shards finish; null once the batch ends.
+        PARTIAL_OUTPUT_KEY: output_file_id(snap.batch_id, PARTIAL_KIND)
+        if snap.shards_done and status not in TERMINAL else None,
+        SHARDS_KEY: {"total": snap.shard_count, "done": len(snap.shards_done)}
+        if snap.shard_count is not None and status not in TERMINAL else None,
     }
 
 

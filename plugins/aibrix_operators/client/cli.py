@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
+from aibrix_operators.batch_api import extensions
 from aibrix_operators.client.errors import ClientError, ExitCode, describe
 from aibrix_operators.client.profile import API_KEY_ENV, BASE_URL_ENV, CONFIG_ENV, PROFILE_ENV, resolve
 from aibrix_operators.client.progress import RateMeter, TransferBar, batch_progress, request_tally
@@ -115,6 +116,9 @@ def build_parser() -> Parser:
     results.add_argument("batch_id", metavar="ID")
     results.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
     results.add_argument("--errors", action="store_true", help="the error lines instead of the output")
+    results.add_argument("--partial", action="store_true",
+                         help="while the batch runs: the answers of the shards finished so far "
+                              "(shard by shard; the final output is in input order)")
     cancel = verb("cancel", "cancel a batch (answers so far are kept)",
                   f"{PROG} cancel batch_0a750e3a913c42cf9aa498ddbbbcaf08")
     cancel.add_argument("batch_id", metavar="ID")
@@ -271,9 +275,14 @@ def cmd_list(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
 def cmd_results(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     batch = client.retrieve(args.batch_id)
     kind = "errors" if args.errors else "output"
+    from aibrix_operators.client.batch_client import TERMINAL
+
+    if args.partial and args.errors:
+        raise ClientError("--partial reads answers only; the error lines come with the batch's end")
+    partial = args.partial and batch.status not in TERMINAL
     if args.output is None:
         written = 0
-        for chunk in client.result_chunks(batch, errors=args.errors):
+        for chunk in client.result_chunks(batch, errors=args.errors, partial=partial):
             sys.stdout.buffer.write(chunk)
             written += len(chunk)
         sys.stdout.buffer.flush()
@@ -281,8 +290,13 @@ def cmd_results(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     counts = batch.request_counts
     expected = (counts.failed if args.errors else counts.completed) if counts else 0
     bar = TransferBar(f"downloading {kind}", None, enabled=None if expected > 10_000 else False)
-    written = client.download(batch, args.output, errors=args.errors, on_progress=bar.update)
+    written = client.download(batch, args.output, errors=args.errors, on_progress=bar.update, partial=partial)
     bar.close()
+    if partial:
+        shards = (batch.model_extra or {}).get(extensions.SHARDS) or {}
+        print(f"wrote the answers of {shards.get('done', 0)} of {shards.get('total', '?')} finished shards "
+              f"({written} bytes) of {batch.id} to {args.output}; the batch is still {batch.status}")
+        return ExitCode.OK
     if out.as_json:
         print(json.dumps({"batch_id": batch.id, "status": batch.status, "kind": kind,
                           "file": args.output, "bytes": written, "lines": expected}))

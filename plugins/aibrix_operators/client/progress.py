@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from aibrix_operators.batch.lifecycle import BatchStatus
+from aibrix_operators.batch_api import extensions
 
 BAR_WIDTH = 24
 
@@ -122,7 +123,7 @@ def request_tally(batch: Any, now: float | None = None) -> RequestTally:
         # Past its window the run writes batch_expired lines before the status says expired.
         if (time.time() if now is None else now) >= batch.expires_at:
             cut_off_by = "expired"
-    unanswered = (getattr(batch, "model_extra", None) or {}).get("aibrix_unanswered")
+    unanswered = (getattr(batch, "model_extra", None) or {}).get(extensions.UNANSWERED)
     if not (isinstance(unanswered, int) and 0 <= unanswered <= failed) or not cut_off_by:
         unanswered = None
     return RequestTally(total, completed, failed, cut_off_by, unanswered)

@@ -1,0 +1,13 @@
+"""The batch object's fields beyond OpenAI's (the SDK keeps them in ``batch.model_extra``): named
+once, for the API that sets them and the client that reads them. ``metadata`` never carries
+them: it stays exactly what the client sent."""
+
+# While in progress: "on track: ..." / "at risk: ..." (batch/window_outlook.py); null otherwise.
+STATUS_LINE = "aibrix_status"
+# Of request_counts.failed, the requests the cancel or the window's end left unanswered.
+UNANSWERED = "aibrix_unanswered"
+# While in progress: a file of every finished shard's answers, its content growing as shards
+# finish (docs/batch-api.md#partial-results); null before the first shard ends and at the end.
+PARTIAL_OUTPUT_FILE_ID = "aibrix_partial_output_file_id"
+# While in progress: {"total": shards, "done": shards finished}.
+SHARDS = "aibrix_shards"
