@@ -12,6 +12,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from selenium.common.exceptions import StaleElementReferenceException
@@ -253,3 +254,66 @@ def test_monitor_url_opens_the_run_in_the_airflow_ui(api, browser, tmp_path):
         assert browser.current_url == done.monitor_url
     finally:
         browser.save_screenshot(str(tmp_path / "monitor-url.png"))
+
+
+def whole_shards(ids: list[str], shards: list[list[str]]) -> list[int]:
+    """The shards ``ids`` is made of, whole and in shard order; AssertionError if it is not."""
+    found, at = [], 0
+    for index, shard in enumerate(shards):
+        if ids[at:at + len(shard)] == shard:
+            found.append(index)
+            at += len(shard)
+    assert at == len(ids) and found, (found, ids)
+    return found
+
+
+def test_a_finished_shards_answers_are_readable_while_the_batch_runs(api, tmp_path):
+    """Issue 39: a batch of two long shards (60 requests, one at a time) and a short one (5).
+    Once the short one has ended, its answers are readable through the API (the SDK), the client
+    and the CLI while the long ones still run (the batch's DAG is paused meanwhile, so the batch
+    cannot end under the reads; running tasks go on), each read whole shards' answers, line for
+    line what the final output holds for them; the final output is unchanged."""
+    from aibrix_operators.batch_api import extensions
+
+    client = BatchClient(api.airflow.api_url, api.keys["alpha"])
+    requests = chat_requests(125, max_tokens=16)
+    shards = [[r["custom_id"] for r in requests[i:i + 60]] for i in range(0, 125, 60)]
+    batch = client.create_batch(write_jsonl(tmp_path / "in.jsonl", requests),
+                                pool={"requests_per_shard": 60, "concurrency": 1})
+    token = api.airflow.token()
+    deadline = time.monotonic() + 300
+    while True:
+        current = client.retrieve(batch.id)
+        if (current.model_extra or {}).get(extensions.PARTIAL_OUTPUT_FILE_ID):
+            break
+        assert current.status in ("validating", "in_progress"), current
+        assert time.monotonic() < deadline, current
+        time.sleep(0.5)
+    api.airflow.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": True}, token)
+    try:
+        progress = (current.model_extra or {})[extensions.SHARDS]
+        assert progress["total"] == 3 and progress["done"] >= 1, progress
+        file_id = current.model_extra[extensions.PARTIAL_OUTPUT_FILE_ID]
+        reads = {"sdk": read_jsonl(client.openai.files.content(file_id).text),
+                 "client": list(client.results(batch.id, partial=True))}
+        through_cli = cli(api, "results", batch.id, "--partial", "-o", str(tmp_path / "partial.jsonl"))
+        assert through_cli.returncode == 0, through_cli.stderr
+        assert "finished shards" in through_cli.stdout, through_cli.stdout
+        reads["cli"] = read_jsonl((tmp_path / "partial.jsonl").read_text())
+        still = client.retrieve(batch.id)
+        assert still.status in ("in_progress", "finalizing"), still
+    finally:
+        api.airflow.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
+    done = client.wait(batch.id, poll_s=1, timeout_s=600)
+    assert done.status == "completed", done
+    final = list(client.results(done))
+    assert [r["custom_id"] for r in final] == [r["custom_id"] for r in requests]  # unchanged
+    final_by_id = {r["custom_id"]: r for r in final}
+    for how, partial in reads.items():
+        ids = [r["custom_id"] for r in partial]
+        assert 2 in whole_shards(ids, shards), how  # the short shard, ended first
+        assert len(ids) < 125, (how, "every shard had ended before the read")
+        assert all(r == final_by_id[r["custom_id"]] for r in partial), how
+    # Once the batch has ended there is no partial file: --partial reads the final output.
+    after = cli(api, "results", batch.id, "--partial", "-o", str(tmp_path / "after.jsonl"))
+    assert after.returncode == 0 and len(read_jsonl((tmp_path / "after.jsonl").read_text())) == 125

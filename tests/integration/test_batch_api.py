@@ -414,6 +414,7 @@ def test_schemathesis_against_the_openapi_schema(api, tmp_path):
 # The aibrix-batch CLI, BatchClient and monitor_url (issue 22) against this module's deployment:
 # written in their own file, collected here so they share the one api-server and vLLM.
 from tests.integration.batch_client_cases import (  # noqa: E402, F401
+    test_a_finished_shards_answers_are_readable_while_the_batch_runs,
     test_cli_cancel_a_second_batch,
     test_cli_create_wait_status_list_results,
     test_cli_errors_are_one_line_with_their_exit_code,

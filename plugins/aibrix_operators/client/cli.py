@@ -294,8 +294,9 @@ def cmd_results(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     bar.close()
     if partial:
         shards = (batch.model_extra or {}).get(extensions.SHARDS) or {}
-        print(f"wrote the answers of {shards.get('done', 0)} of {shards.get('total', '?')} finished shards "
-              f"({written} bytes) of {batch.id} to {args.output}; the batch is still {batch.status}")
+        done, total = shards.get("done", 0), shards.get("total", "?")
+        print(f"wrote the answers of the {done} finished shards (of {total}; {written} bytes) of "
+              f"{batch.id} to {args.output}; the batch is still {batch.status}")
         return ExitCode.OK
     if out.as_json:
         print(json.dumps({"batch_id": batch.id, "status": batch.status, "kind": kind,
