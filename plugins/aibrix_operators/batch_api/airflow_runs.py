@@ -23,7 +23,7 @@ from typing import Any
 from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
 from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.merging import BATCH_FILE
-from aibrix_operators.batch.shard_answers import MergeSummary, shard_answers
+from aibrix_operators.batch.partial import partial_answers
 from aibrix_operators.batch.shard_results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
@@ -261,26 +261,12 @@ class BatchRuns:
         snap.shards_done = tuple(i for i, t in enumerate(dispatch) if t.state == "success")
 
     def partial_output(self, snap: RunSnapshot, run_id: str) -> Iterator[bytes]:
-        """The answers (not the error lines) of every shard ``snap`` saw finished, shard by shard,
-        each in its input order: what a client reads before the batch ends. Streamed; a shard's
-        answers are read as merge reads them (``shard_answers``: the first answer per request)."""
+        """The answers of every shard ``snap`` saw finished (``batch/partial.py``)."""
         shards = self._step_value(snap, run_id, Step.SPLIT)
         if not isinstance(shards, list):
-            return
+            return iter(())
         work = work_prefix(str(snap.conf.get("output_uri", "")), run_id)
-        for index in snap.shards_done:
-            shard = ShardSpec.from_dict(shards[index])
-            log = ResultLog(self.storage, results_prefix(work, shard.name),
-                            fingerprint_shard(self.storage, shard.uri).binding)
-            pending: list[bytes] = []
-            for _, line, is_error in shard_answers(self.storage, shard, log.segments(), MergeSummary("", "")):
-                if not is_error:
-                    pending.append(line + b"\n")
-                if len(pending) == 4096:
-                    yield b"".join(pending)
-                    pending.clear()
-            if pending:
-                yield b"".join(pending)
+        return partial_answers(self.storage, [ShardSpec.from_dict(s) for s in shards], snap.shards_done, work)
 
     def _tally(self, key: tuple[str, str, int | None], shard: ShardSpec, work: str) -> ResultTally:
         """The shard's tally, kept across polls while split's output stands (``key[2]``)."""
