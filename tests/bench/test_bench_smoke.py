@@ -207,3 +207,16 @@ def test_dag_at_scale_profiles_a_shard_and_reads_its_own_outputs(
         "2026-12-04T10:00:03.000000Z [info] [DAG TEST] end task task_id=dispatch map_index=1 [x]\n"
     )
     assert das.task_seconds(log) == {"dispatch": pytest.approx(3.0)}
+
+
+def test_partial_results_bench_streams_what_it_wrote(tmp_path: Path) -> None:
+    """bench/partial_results.py's two phases at a tiny size, in this process: the partial phase
+    streams every answer the writer wrote, as many bytes as the raw phase less nothing but the
+    reordering (same lines)."""
+    pr = _load("partial_results")
+    specs = pr.write_batch(tmp_path, shards=2, per_shard=300, line_bytes=200)
+    (tmp_path / "shards.json").write_text(json.dumps([s.as_dict() for s in specs]))
+    raw = pr.run_phase("raw", tmp_path, 2)
+    partial = pr.run_phase("partial", tmp_path, 2)
+    assert raw["bytes"] == partial["bytes"] > 600 * 150
+    assert partial["shards"] == 2 and partial["mb_s"] > 0
