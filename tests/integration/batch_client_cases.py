@@ -268,7 +268,8 @@ def whole_shards(ids: list[str], shards: list[list[str]]) -> list[int]:
 
 
 def test_a_finished_shards_answers_are_readable_while_the_batch_runs(api, tmp_path):
-    """Issue 39: a batch of two long shards (60 requests, one at a time) and a short one (5).
+    """Issue 39: a batch of two long shards (60 requests of 64 tokens, one at a time) and a
+    short one (5).
     Once the short one has ended, its answers are readable through the API (the SDK), the client
     and the CLI while the long ones still run (the batch's DAG is paused meanwhile, so the batch
     cannot end under the reads; running tasks go on), each read whole shards' answers, line for
@@ -276,7 +277,8 @@ def test_a_finished_shards_answers_are_readable_while_the_batch_runs(api, tmp_pa
     from aibrix_operators.batch_api import extensions
 
     client = BatchClient(api.airflow.api_url, api.keys["alpha"])
-    requests = chat_requests(125, max_tokens=16)
+    # 64 tokens one at a time: a long shard takes some 20 s here, the short one a few.
+    requests = chat_requests(125, max_tokens=64)
     shards = [[r["custom_id"] for r in requests[i:i + 60]] for i in range(0, 125, 60)]
     batch = client.create_batch(write_jsonl(tmp_path / "in.jsonl", requests),
                                 pool={"requests_per_shard": 60, "concurrency": 1})
@@ -294,12 +296,13 @@ def test_a_finished_shards_answers_are_readable_while_the_batch_runs(api, tmp_pa
         progress = (current.model_extra or {})[extensions.SHARDS]
         assert progress["total"] == 3 and progress["done"] >= 1, progress
         file_id = current.model_extra[extensions.PARTIAL_OUTPUT_FILE_ID]
-        reads = {"sdk": read_jsonl(client.openai.files.content(file_id).text),
-                 "client": list(client.results(batch.id, partial=True))}
+        # The CLI first: its process start is the slowest of the three reads.
         through_cli = cli(api, "results", batch.id, "--partial", "-o", str(tmp_path / "partial.jsonl"))
         assert through_cli.returncode == 0, through_cli.stderr
         assert "finished shards" in through_cli.stdout, through_cli.stdout
-        reads["cli"] = read_jsonl((tmp_path / "partial.jsonl").read_text())
+        reads = {"cli": read_jsonl((tmp_path / "partial.jsonl").read_text()),
+                 "sdk": read_jsonl(client.openai.files.content(file_id).text),
+                 "client": list(client.results(batch.id, partial=True))}
         still = client.retrieve(batch.id)
         assert still.status in ("in_progress", "finalizing"), still
     finally:

@@ -17,7 +17,7 @@ import unicodedata
 from aibrix_operators.batch_api.errors import bad_request
 
 TENANT_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,46}[a-z0-9])?$")
-FILE_ID_RE = re.compile(r"^file-[0-9a-f]{12}[0-9a-f]{20}(?:-(?:output|errors))?$")
+FILE_ID_RE = re.compile(r"^file-[0-9a-f]{12}[0-9a-f]{20}(?:-(?:output|errors|partial))?$")
 BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{32}$")
 # These patterns are published in the OpenAPI schema (JSON Schema's "$" is the end of the text);
 # in Python "$" also matches before a trailing newline, so every check here is a fullmatch.
