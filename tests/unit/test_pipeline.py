@@ -99,10 +99,11 @@ def test_every_operator_documents_its_arguments_in_the_providers_style() -> None
         SplitBatchOperator,
         ValidateBatchOperator,
     )
+    from aibrix_operators.operators.batch_api import AIBrixBatchOperator
     from aibrix_operators.operators.dispatch import DispatchShardOperator
 
     for operator in (ValidateBatchOperator, SplitBatchOperator, DispatchShardOperator,
-                     MergeBatchOperator, RecordBatchFailureOperator):  # fmt: skip
+                     MergeBatchOperator, RecordBatchFailureOperator, AIBrixBatchOperator):  # fmt: skip
         doc = inspect.getdoc(operator) or ""
         params = dict(re.findall(r":param (\w+):(.*?)(?=\n:param |\Z)", doc, re.S))
         arguments = set(inspect.signature(operator.__init__).parameters) - {"self", "kwargs"}

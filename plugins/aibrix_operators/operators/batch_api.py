@@ -50,20 +50,24 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
 
     :param input_file: a local JSONL path the worker reads (one of ``input_file``,
         ``input_uri``, ``input_file_id``). Checked against the deployment's storage allow-list.
+        (templated)
     :param input_uri: the JSONL as a local path or ``s3://`` URI, read through
-        ``aws_conn_id`` and streamed to the API. Checked against the storage allow-list.
-    :param input_file_id: a file already uploaded with purpose ``batch``.
+        ``aws_conn_id`` and streamed to the API. Checked against the storage allow-list. (templated)
+    :param input_file_id: a file already uploaded with purpose ``batch``. (templated)
     :param endpoint: the batch's endpoint, e.g. ``/v1/chat/completions`` (every line's ``url``).
+        (templated)
     :param model: when set, the input's first line must name this model (the service checks
-        every line); a mismatch fails the task before anything is uploaded.
-    :param completion_window: the batch's window, e.g. ``24h``.
+        every line); a mismatch fails the task before anything is uploaded. (templated)
+    :param completion_window: the batch's window, e.g. ``24h``. (templated)
     :param metadata: the batch's metadata (at most 15 pairs: the operator adds its key).
+        (templated)
     :param batch_conn_id: the ``aibrix_batch`` connection (base URL and API key). Not templated:
         a run's params cannot point the task at another connection's key.
     :param aws_conn_id: the AWS connection that reads an ``s3://`` ``input_uri``.
     :param deferrable: wait in the triggerer (default) or poll in the worker.
     :param poll_interval_s: the first wait between polls; each next one is 1.5 times longer,
         up to ``max_poll_interval_s``.
+    :param max_poll_interval_s: the longest wait between polls.
     :param fail_on_partial: fail the task when the batch completed with failed requests.
     """
 
