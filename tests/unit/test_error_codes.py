@@ -29,6 +29,8 @@ ELSEWHERE = {
     ("operators/driver_pod.py", RequestError.TIMEOUT),
     ("triggers/dropzone.py", RequestError.TIMEOUT),
     ("router/proxy.py", RequestError.TIMEOUT),
+    ("triggers/batch_api.py", RequestError.TIMEOUT),
+    ("operators/batch_api.py", RequestError.TIMEOUT),
 }
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.records import BatchObject
+from aibrix_operators.batch_api import extensions
 from aibrix_operators.batch_api.schemas import Batch
 from aibrix_operators.batch_api.status import batch_object
 
@@ -20,8 +21,9 @@ ONLY_STATUSES = {BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FI
 
 
 # The API's fields beside OpenAI's, added where a batch is answered (batch_api/app.py), never stored.
-# Not OpenAI's: the run's page, the in-progress outlook, a cut-short batch's unanswered count.
-API_EXTRAS = {"monitor_url", "aibrix_status", "aibrix_unanswered"}
+# Not OpenAI's: the run's page, and the extension fields (batch_api/extensions.py: the in-progress
+# outlook, a cut-short batch's unanswered count, the partial output and the shards done).
+API_EXTRAS = {"monitor_url", *(v for k, v in vars(extensions).items() if k.isupper())}
 
 
 @pytest.mark.service
