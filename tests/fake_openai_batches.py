@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 KEY_HEADER = "Authorization"
+TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 class BatchService:
@@ -58,7 +59,7 @@ class BatchService:
 
     def _advance(self, batch: dict[str, Any]) -> None:
         """One retrieve's worth of progress."""
-        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+        if batch["status"] in TERMINAL:
             return
         self.polls[batch["id"]] = polls = self.polls.get(batch["id"], 0) + 1
         if polls < self.polls_to_finish:
@@ -148,24 +149,24 @@ class BatchService:
                                   "last_id": page[-1]["id"] if page else None})
 
     async def _retrieve(self, request: web.Request) -> web.Response:
-        if (refused := self._refused(request)) is not None:
-            return refused
-        with self.lock:
-            batch = self.batches.get(request.match_info["id"])
-            if batch is None:
-                return _error(404, "not_found", "No such Batch object")
-            self._advance(batch)
-            return web.json_response(batch)
+        return self._on_batch(request, self._advance)
 
     async def _cancel(self, request: web.Request) -> web.Response:
+        def cancel(batch: dict[str, Any]) -> None:
+            if batch["status"] not in TERMINAL:
+                batch.update(status="cancelled", cancelled_at=int(time.time()))
+
+        return self._on_batch(request, cancel)
+
+    def _on_batch(self, request: web.Request, change: Any) -> web.Response:
+        """The batch the path names, after ``change(batch)``; 401 or 404 as OpenAI answers."""
         if (refused := self._refused(request)) is not None:
             return refused
         with self.lock:
             batch = self.batches.get(request.match_info["id"])
             if batch is None:
                 return _error(404, "not_found", "No such Batch object")
-            if batch["status"] not in ("completed", "failed", "expired", "cancelled"):
-                batch.update(status="cancelled", cancelled_at=int(time.time()))
+            change(batch)
             return web.json_response(batch)
 
 
