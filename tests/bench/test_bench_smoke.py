@@ -220,3 +220,43 @@ def test_partial_results_bench_streams_what_it_wrote(tmp_path: Path) -> None:
     partial = pr.run_phase("partial", tmp_path, 2)
     assert raw["bytes"] == partial["bytes"] > 600 * 150
     assert partial["shards"] == 2 and partial["mb_s"] > 0
+
+
+
+@pytest.mark.service
+def test_deferred_wait_counts_each_triggers_polls_and_refuses_a_batch_that_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench/deferred_wait.py's loop of real BatchApiTriggers, against OpenAI's Batch API as the
+    fake serves it: three triggers on a batch that runs on poll once each in a short window (the
+    backoff's first wait is 5 s); on a batch that ends at its second poll, one fires and the
+    bench refuses the window (its figures assume every trigger waited throughout)."""
+    import asyncio
+    import io
+
+    import openai
+
+    from tests.fake_openai import FakeOpenAI
+
+    dw = _load("deferred_wait")
+    fake = FakeOpenAI().start()
+    try:
+        monkeypatch.setenv("AIRFLOW_CONN_AIBRIX_BATCH_DEFAULT", json.dumps(
+            {"conn_type": "aibrix_batch", "host": fake.url + "/v1", "password": "sk-any"}))
+        client = openai.OpenAI(base_url=fake.url + "/v1", api_key="sk-any", max_retries=0)
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}})
+
+        def batch() -> str:
+            file_id = client.files.create(file=("in.jsonl", io.BytesIO(line.encode() + b"\n")),
+                                          purpose="batch").id
+            return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id
+
+        fake.batches.polls_to_finish = 1000
+        assert asyncio.run(dw.wait_deferred(batch(), waiting=3, window_s=1.0)) == 3
+        fake.batches.polls_to_finish = 2
+        with pytest.raises(AssertionError, match="a trigger fired inside the window"):
+            asyncio.run(dw.wait_deferred(batch(), waiting=3, window_s=1.0))
+    finally:
+        fake.stop()

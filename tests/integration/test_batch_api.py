@@ -74,6 +74,8 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
             {"name": "dags-folder", "classpath": LOCAL_BUNDLE, "kwargs": {"path": str(REPO / "dags")}},
             {"name": "user-dags", "classpath": LOCAL_BUNDLE,
              "kwargs": {"path": str(REPO / "examples" / "dags")}},
+            {"name": "test-dags", "classpath": LOCAL_BUNDLE,
+             "kwargs": {"path": str(REPO / "tests" / "integration" / "user_dags")}},
         ]),
         "AIRFLOW_CONN_AIBRIX_BATCH_DEFAULT": json.dumps({
             "conn_type": "aibrix_batch", "host": f"http://127.0.0.1:{port}", "password": keys["beta"]}),
@@ -433,15 +435,7 @@ def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path)
     requests = chat_requests(40)
     input_file = write_jsonl(tmp_path / "input.jsonl", requests)
     deployment, token = api.airflow, api.airflow.token()
-    deadline = time.monotonic() + 120
-    while True:  # the user bundle is parsed shortly after start
-        try:
-            for dag_id in ("batch_operator_example", "batch_operator_example_scores"):
-                deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline, "the user bundle's DAGs were never parsed"
-            time.sleep(1)
+    unpause(deployment, token, "batch_operator_example", "batch_operator_example_scores")
     run = deployment.api("POST", "/api/v2/dags/batch_operator_example/dagRuns", {
         "logical_date": None, "conf": {"input_file": str(input_file), "model": SERVED_NAME}}, token)
     ti_path = f"/api/v2/dags/batch_operator_example/dagRuns/{run['dag_run_id']}/taskInstances/answer"
@@ -490,3 +484,84 @@ def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path)
         time.sleep(1)
     [scored] = [r for r in runs if r["state"] == "success"]
     assert scored["run_type"] == "asset_triggered", scored
+
+
+def unpause(deployment: AirflowDeployment, token: str, *dag_ids: str) -> None:
+    """Unpause the user bundles' DAGs, which the dag-processor parses shortly after start."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            for dag_id in dag_ids:
+                deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, f"the user bundles' DAGs {dag_ids} were never parsed"
+            time.sleep(1)
+
+
+def test_the_operator_re_attaches_after_its_worker_is_lost(api, tmp_path):
+    """Issue 39: the worker running AIBrixBatchOperator (polling in the worker:
+    tests/integration/user_dags/batch_operator_in_worker.py) is killed mid-batch, task process
+    and all, as a lost node would lose it. The scheduler finds the task without a heartbeat and
+    retries it; the retry re-attaches to the batch the first try submitted (the API saw one
+    create) and hands it on."""
+    import psutil
+
+    requests = chat_requests(40, max_tokens=32)
+    input_file = write_jsonl(tmp_path / "input.jsonl", requests)
+    deployment, token = api.airflow, api.airflow.token()
+    unpause(deployment, token, "batch_operator_in_worker")
+    run = deployment.api("POST", "/api/v2/dags/batch_operator_in_worker/dagRuns", {
+        "logical_date": None, "conf": {"input_file": str(input_file), "model": SERVED_NAME}}, token)
+    run_path = f"/api/v2/dags/batch_operator_in_worker/dagRuns/{run['dag_run_id']}"
+    ti_path = f"{run_path}/taskInstances/answer"
+
+    def submitted() -> tuple[dict, str] | None:
+        """The running first try and the batch it submitted, once both are known."""
+        try:
+            ti = deployment.api("GET", ti_path, token=token)
+            xcom = deployment.api("GET", f"{ti_path}/xcomEntries/batch_id?deserialize=true&stringify=false",
+                                  token=token)
+        except AssertionError:
+            return None  # not created or not pushed yet
+        assert ti["state"] in ("queued", "running"), ti  # the batch must still be running
+        return (ti, xcom["value"]) if ti["state"] == "running" and ti["pid"] else None
+
+    deadline = time.monotonic() + 120
+    while (found := submitted()) is None:
+        assert time.monotonic() < deadline, "the operator never submitted its batch"
+        time.sleep(0.3)
+    ti, batch_id = found
+    client = api.client("beta")
+    assert client.batches.retrieve(batch_id).status not in TERMINAL  # killed mid-batch
+
+    # The worker: the task process's supervisor, one of the scheduler's LocalExecutor workers.
+    task = psutil.Process(ti["pid"])
+    worker = task.parent()
+    scheduler = psutil.Process(deployment.procs[1].pid)
+    assert worker.pid in {p.pid for p in scheduler.children(recursive=True)}, worker
+    victims = [worker, *worker.children(recursive=True)]
+    for proc in victims:
+        proc.kill()
+    psutil.wait_procs(victims, timeout=30)
+
+    deadline = time.monotonic() + 300
+    while (run := deployment.api("GET", run_path, token=token))["state"] not in ("success", "failed"):
+        assert time.monotonic() < deadline, f"run still {run['state']}"
+        time.sleep(1)
+    assert run["state"] == "success", deployment.failure_report("batch_operator_in_worker", run["dag_run_id"])
+    ti = deployment.api("GET", ti_path, token=token)
+    assert ti["try_number"] == 2, ti  # the lost try, then the one that re-attached
+
+    xcom = deployment.api("GET", f"{ti_path}/xcomEntries/return_value?deserialize=true&stringify=false",
+                          token=token)
+    result = json.loads(xcom["value"]) if isinstance(xcom["value"], str) else xcom["value"]
+    assert result["batch_id"] == batch_id, (result["batch_id"], batch_id)
+    batch = client.batches.retrieve(batch_id)
+    assert batch.status == "completed" and result["request_counts"]["completed"] == 40
+    key = batch.metadata["airflow_task_key"]
+    listed = client.batches.list(limit=100)
+    keyed = [b.id for b in listed if (b.metadata or {}).get("airflow_task_key") == key]
+    assert keyed == [batch_id]  # one create: the retry re-attached
+    output = content(client, result["output_file_id"])
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
