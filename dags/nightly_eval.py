@@ -5,7 +5,9 @@ render the dataset → the batch pipeline (a TaskGroup of the same operators as 
 Markdown, dropped off under eval/<suite>/<date>/) → regression_gate (fails on a regression).
 
 One DAG per suite, not one parameterised DAG: each suite keeps its own cron schedule, its own
-run history, and a regression in one suite is a red run of that suite's DAG alone.
+run history, and a regression in one suite is a red run of that suite's DAG alone. A suite with
+``on_assets`` also runs when any of those Assets gets an event (a new checkpoint published by a
+training DAG, say), as well as on its cron.
 Wiring only; the logic lives in ``aibrix_operators.evaluation``.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from airflow.sdk import DAG, Param, task
+from airflow.sdk import DAG, Asset, AssetAny, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
 
 from aibrix_operators.evaluation.suites import Suite, load_suites
 from aibrix_operators.operators.batch_group import batch_inference_group
@@ -39,11 +41,19 @@ def params_for(suite: Suite) -> dict[str, Param]:
     }
 
 
+def schedule_for(suite: Suite) -> str | AssetOrTimeSchedule:
+    """The suite's cron; with ``on_assets``, that cron or an event on any of the Assets."""
+    if not suite.on_assets:
+        return suite.schedule
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(suite.schedule, timezone="UTC"),
+                               assets=AssetAny(*(Asset(uri=uri, name=uri) for uri in suite.on_assets)))
+
+
 def build(suite: Suite) -> DAG:
     with DAG(
         dag_id=f"nightly_eval__{suite.name}",
         description=suite.description or f"nightly eval of suite {suite.name}",
-        schedule=suite.schedule, start_date=datetime(2026, 1, 1), catchup=False,
+        schedule=schedule_for(suite), start_date=datetime(2026, 1, 1), catchup=False,
         params=params_for(suite), render_template_as_native_obj=True, max_active_runs=1,
         tags=["aibrix", "eval"], doc_md=__doc__,
     ) as dag:

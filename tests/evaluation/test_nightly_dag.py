@@ -38,6 +38,17 @@ def test_one_dag_per_suite_with_its_schedule(dags):
     assert arith.params.get_param("model").schema["enum"] == ["eval-llama"]
 
 
+def test_a_suite_with_on_assets_runs_on_its_cron_or_an_asset_event(dags):
+    """config/eval_suites.yaml: reverse_facts runs weekly and whenever its adapter is published."""
+    from airflow.sdk import AssetOrTimeSchedule
+
+    timetable = dags["nightly_eval__reverse_facts"].timetable
+    assert isinstance(timetable, AssetOrTimeSchedule), timetable
+    assert timetable.timetable.expression == "30 3 * * 1"
+    assert [a.name for a in timetable.asset_condition.objects] == ["aibrix-lora://eval-llama-reverse"]
+    assert not isinstance(dags["nightly_eval__arithmetic"].timetable, AssetOrTimeSchedule)
+
+
 def test_flow_render_batch_evaluate_report_gate(dags):
     dag = dags["nightly_eval__arithmetic"]
     t = dag.task_dict

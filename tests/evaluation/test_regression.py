@@ -145,6 +145,9 @@ def test_suite_config_errors(tmp_path):
     bad.write_text("suites:\n  x: {dataset: d.jsonl, scorer: exact, models: [m], colour: red}\n")
     with pytest.raises(SuiteConfigError, match="unknown keys"):
         load_suites(bad)
+    bad.write_text("suites:\n  x: {dataset: d.jsonl, scorer: exact, models: [m], on_assets: [checkpoints]}\n")
+    with pytest.raises(SuiteConfigError, match="on_assets must be a list of Asset URIs"):
+        load_suites(bad)
 
 
 def _adapter_night(tmp_path: Path, suite: Suite, date: str, right: dict[str, int]) -> dict:

@@ -2,7 +2,8 @@
 
 A suite is declared by the deployment (a file in the repo, not a DAG param): its dataset (JSONL
 with ``prompt`` or ``messages`` plus ``reference``), prompt template, model(s), sampling
-parameters, scorer and thresholds, and its cron schedule. Pure Python, no Airflow.
+parameters, scorer and thresholds, its cron schedule and the Assets whose events also start it.
+Pure Python, no Airflow.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Suite:
     # LoRA adapters of the night's model, evaluated beside it in the same batch (docs/lora.md):
     # the report shows them side by side, and each has its own history, baseline and gate.
     adapters: tuple[str, ...] = ()
+    # Asset URIs whose events start a run too, besides the cron schedule: e.g. the Asset a
+    # fine-tuning DAG updates when it publishes a new checkpoint (dags/nightly_eval.py).
+    on_assets: tuple[str, ...] = ()
 
     def dataset_path(self) -> str:
         """Relative dataset paths are relative to the repository (s3:// URIs pass through)."""
@@ -62,7 +66,7 @@ class Suite:
                 "thresholds": {"max_drop": self.thresholds.max_drop,
                                "min_score": self.thresholds.min_score},
                 "schedule": self.schedule, "confidence": self.confidence,
-                "adapters": list(self.adapters)}
+                "adapters": list(self.adapters), "on_assets": list(self.on_assets)}
 
 
 class SuiteConfigError(ValueError):
@@ -92,8 +96,12 @@ def load_suites(path: Path | str = DEFAULT_CONFIG) -> dict[str, Suite]:
                 or set(adapters) & set(models):
             raise SuiteConfigError(f"suite {name}: adapters must be a list of LoRA adapter names, "
                                    "none of them one of its models")
+        on_assets = merged.pop("on_assets", None) or []
+        if not (isinstance(on_assets, list) and all(isinstance(a, str) and "://" in a for a in on_assets)):
+            raise SuiteConfigError(f"suite {name}: on_assets must be a list of Asset URIs "
+                                   "(scheme://path, as the producing DAG's outlet names them)")
         suites[name] = Suite(name=name, models=tuple(models), thresholds=thresholds,
-                             adapters=tuple(adapters), **merged)
+                             adapters=tuple(adapters), on_assets=tuple(on_assets), **merged)
     return suites
 
 
