@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def measure(work: Path, waiting: int, window_s: float) -> dict:
 
     dep = deployment.start(work, stub_delay=1.0, dag_conf={"requests_per_shard": 5000, "concurrency": 4})
     try:
+        dep.set_paused(False)  # the deployment starts with batch_inference paused
         client = dep.client()
         batch_file = work / "wait.jsonl"
         deployment.write_batch_file(batch_file, requests=5000)
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, default=180.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    logging.disable(logging.INFO)  # a line per poll from the triggers and their HTTP client
     (REPO / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-deferred-", dir=REPO / ".work") as tmp:
         result = measure(Path(tmp), args.waiting, args.window_s)
