@@ -109,6 +109,33 @@ def test_shards_hold_whole_groups_back_to_back_first_of_group_first(tmp_path):
         assert s.first_line == line_of[shard_ids(s)[0]]
 
 
+def test_a_batch_past_the_grouping_ceiling_keeps_file_order_and_every_request(tmp_path, monkeypatch, caplog):
+    """Past MAX_GROUPED_REQUESTS the signatures are dropped (validation's memory stays flat) and
+    the batch is sent in file order, every request once; at the ceiling it is still grouped."""
+    from aibrix_operators.batch import job
+
+    text, _ = planted(120, groups=4, singles=10)
+    (tmp_path / "at").mkdir()
+    (tmp_path / "past").mkdir()
+    monkeypatch.setattr(job, "MAX_GROUPED_REQUESTS", 120)
+    batch, _ = validate_and_split(tmp_path / "at", text, rps=50)
+    assert batch.prefix_order_uri is not None and batch.prefix_groups == 4
+    monkeypatch.setattr(job, "MAX_GROUPED_REQUESTS", 119)
+    with caplog.at_level("INFO", logger="aibrix_operators.batch.job"):
+        batch, shards = validate_and_split(tmp_path / "past", text, rps=50)
+    assert batch.prefix_order_uri is None and batch.prefix_groups == 0
+    assert [cid for s in shards for cid in shard_ids(s)] == list(input_line_of(text))
+    assert "prefix grouping skipped: the batch has 120 requests, over the 119" in caplog.text
+
+
+def test_signatures_past_their_ceiling_hold_nothing():
+    signatures = PrefixSignatures(max_requests=2)
+    line = chat_line("a", "x" * 2000).encode()
+    for offset in range(0, 5 * len(line), len(line)):
+        signatures.add(line, offset)
+    assert signatures.dropped_at == 2 and len(signatures) == 0 and list(signatures.columns()) == []
+
+
 def test_grouped_shards_are_balanced_and_within_limits(tmp_path):
     text, _ = planted(1000, groups=7, singles=0)
     _, shards = validate_and_split(tmp_path, text, rps=300)

@@ -183,6 +183,52 @@ def test_distinct_ids_are_not_duplicates(lines):
     assert validate(lines(2000)).ok
 
 
+@pytest.mark.parametrize("reopen", [True, False])
+def test_duplicates_found_the_same_when_the_ids_spill_to_bucket_files(line, reopen, monkeypatch):
+    """A batch larger than what IdHashLog holds in memory (here 3 pairs) spills its id hashes
+    to bucket files in chunks; duplicates in different chunks, in the same chunk and across
+    the end are found exactly as in memory, each naming its first line."""
+    from aibrix_operators.batch import duplicate_ids
+
+    ids = ["a", "b", "c", "a", "d", "e", "f", "b", "g", "a", "h", "c", "d"]
+    data = b"".join(line(i) for i in ids)
+    in_memory = codes(validate(data, reopen=reopen))
+    messages = [e.message for e in validate(data, reopen=reopen).errors]
+    spilled = []
+    real_spill = duplicate_ids.IdHashLog.spill
+
+    def spill(self):
+        spilled.append(len(self.hashes))
+        real_spill(self)
+
+    monkeypatch.setattr(duplicate_ids, "SPILL_AT", 3)
+    monkeypatch.setattr(duplicate_ids.IdHashLog, "spill", spill)
+    report = validate(data, reopen=reopen)
+    assert spilled == [3, 3, 3, 3, 1]  # four full chunks, then the rest at the end
+    assert codes(report) == in_memory == [(4, "duplicate_custom_id"), (8, "duplicate_custom_id"),
+                                          (10, "duplicate_custom_id"), (12, "duplicate_custom_id"),
+                                          (13, "duplicate_custom_id")]
+    assert [e.message for e in report.errors] == messages
+    assert "line 1" in messages[0] and "line 2" in messages[1] and "line 3" in messages[3]
+    assert validate(b"".join(line(f"id-{i}") for i in range(50)), reopen=reopen).ok  # no false alarm
+
+
+def test_spilled_ids_keep_64_bit_hashes_and_line_numbers_past_2_gib():
+    """The bucket files keep whole 64-bit hashes (negative ones too: the bucket is the top bits of
+    the unsigned value) and 8-byte line numbers."""
+    from aibrix_operators.batch.duplicate_ids import IdHashLog
+
+    log = IdHashLog(spill_at=2)
+    pairs = [(-1, 1), (2**63 - 1, 2), (-(2**63), 3), (-1, 2**40), (5, 2**33), (2**63 - 1, 7)]
+    for h, n in pairs:
+        log.hashes.append(h)
+        log.lines.append(n)
+        if len(log.hashes) == log.spill_at:
+            log.spill()
+    assert log.spilled
+    assert log.colliding() == {1: -1, 2**40: -1, 2: 2**63 - 1, 7: 2**63 - 1}
+
+
 def test_too_many_requests(lines):
     report = validate(lines(5), max_requests=3)
     assert codes(report) == [(4, "too_many_requests")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from array import array
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from aibrix_operators.batch.grouped_split import split_grouped
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
 from aibrix_operators.batch.prefixes import (
+    MAX_GROUPED_REQUESTS,
     PrefixSignatures,
     grouping_order,
     read_order,
@@ -56,6 +58,8 @@ from aibrix_operators.batch.shard_results import results_prefix, shard_result_lo
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
 from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
 from aibrix_operators.storage import Storage, StorageError, join_uri
+
+log = logging.getLogger(__name__)
 
 
 def prefix_order_uri(work: str) -> str:
@@ -157,8 +161,9 @@ def validate_batch(
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
     by_model = bool(adapters) and prefix_order_uri is not None
-    signatures = (PrefixSignatures() if prefix_order_uri and (prefix_grouping == "auto" or by_model)
-                  else None)
+    # By model there is no ceiling: a batch naming adapters must be split by adapter.
+    signatures = (PrefixSignatures(max_requests=None if by_model else MAX_GROUPED_REQUESTS)
+                  if prefix_order_uri and (prefix_grouping == "auto" or by_model) else None)
     model_ids = array("H") if by_model else None
     limits = limits or ValidationLimits()
     created_at = int(time.time()) if submitted_at is None else submitted_at
@@ -210,6 +215,10 @@ def validate_batch(
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
     order_uri, groups, shared = None, 0, 0
+    if signatures is not None and signatures.dropped_at is not None:
+        log.info("prefix grouping skipped: the batch has %d requests, over the %d that are grouped "
+                 "(batch/prefixes.py MAX_GROUPED_REQUESTS); sent in file order",
+                 report.total_requests, signatures.dropped_at)
     if signatures is not None and len(signatures) == report.total_requests:
         models = (np.frombuffer(model_ids, dtype=np.uint16)
                   if model_ids is not None and report.adapter_counts else None)

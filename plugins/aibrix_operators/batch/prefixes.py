@@ -17,7 +17,9 @@ which requests are sent, never a result.
 
 Memory: 8 bytes for the line's offset, 1 for how deep its prompt goes and 8 per level it
 reaches: 9 bytes per request of short prompts (9 MB for 1M lines), 41 for long ones, plus numpy
-temporaries of a few arrays of that length at the end, one level at a time.
+temporaries of a few arrays of that length at the end, one level at a time. So grouping has a
+ceiling, ``MAX_GROUPED_REQUESTS``: past it the signatures are dropped and the batch is sent in
+file order (docs/prefix-batching.md), and validation's memory stays flat however long the file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from aibrix_operators.storage import Storage
 # Byte lengths of the rendered prefix that are hashed: a prefix shared to any of these depths
 # counts. Powers of four keep the levels few (each costs 8 bytes per request and one sort).
 LEVELS: tuple[int, ...] = (256, 1024, 4096, 16384)
+# Batches of more requests are not grouped: at 9-41 bytes per request and a sort of several such
+# arrays, 10,000,000 requests would cost the validating worker 300 MB and more. A batch that
+# large fills every server's queue on its own, so the order within it buys little.
+MAX_GROUPED_REQUESTS = 2_000_000
 
 
 class PrefixSignatures:
@@ -47,7 +53,10 @@ class PrefixSignatures:
 
     levels = LEVELS
 
-    def __init__(self) -> None:
+    def __init__(self, max_requests: int | None = MAX_GROUPED_REQUESTS) -> None:
+        # None: no ceiling (a batch naming LoRA adapters must be ordered by model, whatever its size).
+        self.limit = max_requests if max_requests is not None else 2**63
+        self.dropped_at: int | None = None  # the ceiling, once the batch went past it
         self._depth = bytearray()
         # Level k's hashes of the requests whose prompts reach it, in input order.
         self._h1, self._h2, self._h3, self._h4 = (array("q") for _ in LEVELS)
@@ -60,6 +69,10 @@ class PrefixSignatures:
 
     def add(self, raw: bytes, offset: int) -> None:
         """Record the request line ``raw`` that starts at byte ``offset`` of the file."""
+        if len(self.offsets) >= self.limit:
+            if self.dropped_at is None:
+                self._drop()
+            return
         self.offsets.append(offset)
         self.end = offset + len(raw)
         s = raw.find(b'"messages"')
@@ -88,6 +101,15 @@ class PrefixSignatures:
             return
         self._h4.append(hash((h3, raw[s + 4096:s + 16384])) or 1)
         self._depth.append(4)
+
+    def _drop(self) -> None:
+        """Past the ceiling: free what was collected and collect nothing more (``len`` is 0 from
+        now on, so the batch keeps its file order)."""
+        self.dropped_at = len(self.offsets)
+        self.limit = -1
+        self._depth = bytearray()
+        self._h1, self._h2, self._h3, self._h4 = (array("q") for _ in LEVELS)
+        self.offsets = array("q")
 
     def columns(self) -> Iterator[np.ndarray]:
         """Level by level, every request's hash (0 where its prompt is shorter than the level),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from aibrix_operators.batch.duplicate_ids import duplicate_ids
+from aibrix_operators.batch.duplicate_ids import IdHashLog, duplicate_ids
 from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.jsonfast import loads
@@ -184,9 +184,7 @@ def validate_stream(
                 "endpoint")
         return report
 
-    id_hashes = array("q")
-    # A line is at least one byte, so a file under 2 GiB numbers its lines in 4 bytes.
-    id_lines = array("i" if limits.max_file_bytes < 2**31 else "q")
+    ids = IdHashLog()
     # A run of blank lines waiting for the next request: where it starts and how long it is.
     blank = _BlankRun()
     # A buffered stream lets a run of bare newlines be consumed in chunks, not line by line.
@@ -200,8 +198,9 @@ def validate_stream(
     readline = stream.readline
     max_line = limits.max_line_bytes
     limit = max_line + 2  # room for "\r\n" after a line of exactly max_line bytes
+    id_hashes, spill_at = ids.hashes, ids.spill_at
     add_hash = id_hashes.append
-    add_line = id_lines.append
+    add_line = ids.lines.append
     sign = signatures.add if signatures is not None else None
 
     while True:
@@ -272,6 +271,8 @@ def validate_stream(
         if custom_id is not None:
             add_hash(hash(custom_id))
             add_line(line_no)
+            if len(id_hashes) == spill_at:
+                ids.spill()
             if sign is not None:
                 sign(raw, total_bytes - size)
             if model_ids is not None:
@@ -280,7 +281,7 @@ def validate_stream(
     report.total_bytes = total_bytes
     if report.total_requests == 0 and report.error_count == 0:
         err.add(None, ValidationCode.EMPTY_FILE, "file holds no requests")
-    for line, first, cid in duplicate_ids(id_hashes, id_lines, reopen, limits.max_line_bytes):
+    for line, first, cid in duplicate_ids(ids, reopen, limits.max_line_bytes):
         if cid is None:  # the file cannot be read again: the lines, by the ids' hashes
             err.add(line, ValidationCode.DUPLICATE_CUSTOM_ID,
                     f"custom_id is a duplicate of the one on line {first}", "custom_id")
