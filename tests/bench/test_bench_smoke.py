@@ -207,6 +207,11 @@ def test_dag_at_scale_profiles_a_shard_and_reads_its_own_outputs(
         "2026-12-04T10:00:03.000000Z [info] [DAG TEST] end task task_id=dispatch map_index=1 [x]\n"
     )
     assert das.task_seconds(log) == {"dispatch": pytest.approx(3.0)}
+    # Each step's peak: the largest sample inside any of its spans, none from outside them.
+    at = das.datetime.fromisoformat
+    samples = [(at("2026-12-04T10:00:01+00:00"), 250.0), (at("2026-12-04T10:00:02.8+00:00"), 280.0),
+               (at("2026-12-04T10:00:04+00:00"), 400.0)]
+    assert das.step_peaks(das.task_spans(log), samples) == {"dispatch": 280.0}
 
 
 def test_partial_results_bench_streams_what_it_wrote(tmp_path: Path) -> None:
