@@ -246,7 +246,8 @@ def run_dag(args: argparse.Namespace) -> int:
             "max_file_bytes": max(inp.stat().st_size, 200 * 1024 * 1024),
         }  # past OpenAI's 50,000 per file and 200 MB: the trigger raises them
         print(
-            f"airflow dags test batch_inference: {args.requests:,} requests, shards of {args.per_shard:,}, "
+            f"{'airflow dags test' if args.trigger == 'dags-test' else 'REST, a running Airflow:'} "
+            f"batch_inference: {args.requests:,} requests, shards of {args.per_shard:,}, "
             f"concurrency {args.concurrency} (log: {log})",
             flush=True,
         )
