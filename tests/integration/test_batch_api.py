@@ -82,16 +82,7 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
     }
     deployment = start_airflow(env, home, port)
     try:
-        token = deployment.token()
-        deadline = time.monotonic() + 120
-        while True:  # the dag-processor parses the DAG folder shortly after start
-            try:
-                deployment.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
-                break
-            except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+        unpause(deployment, deployment.token(), "batch_inference")
         yield Api(deployment, keys, root)
     finally:
         deployment.stop()
@@ -487,7 +478,7 @@ def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path)
 
 
 def unpause(deployment: AirflowDeployment, token: str, *dag_ids: str) -> None:
-    """Unpause the user bundles' DAGs, which the dag-processor parses shortly after start."""
+    """Unpause DAGs of the stack's bundles, which the dag-processor parses shortly after start."""
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -495,7 +486,7 @@ def unpause(deployment: AirflowDeployment, token: str, *dag_ids: str) -> None:
                 deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
             return
         except AssertionError:
-            assert time.monotonic() < deadline, f"the user bundles' DAGs {dag_ids} were never parsed"
+            assert time.monotonic() < deadline, f"the DAGs {dag_ids} were never parsed"
             time.sleep(1)
 
 
