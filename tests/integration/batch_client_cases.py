@@ -305,10 +305,14 @@ def test_a_finished_shards_answers_are_readable_while_the_batch_runs(api, tmp_pa
                  "client": list(client.results(batch.id, partial=True))}
         still = client.retrieve(batch.id)
         assert still.status in ("in_progress", "finalizing"), still
+        # OpenAI's usage while it runs (issue 40): the answers so far, never shrinking.
+        assert current.usage is not None and current.usage.output_tokens > 0, current.usage
+        assert still.usage is not None and still.usage.output_tokens >= current.usage.output_tokens
     finally:
         api.airflow.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
     done = client.wait(batch.id, poll_s=1, timeout_s=600)
     assert done.status == "completed", done
+    assert done.usage.output_tokens > current.usage.output_tokens  # the slow shard's answers came after
     final = list(client.results(done))
     assert [r["custom_id"] for r in final] == [r["custom_id"] for r in requests]  # unchanged
     final_by_id = {r["custom_id"]: r for r in final}

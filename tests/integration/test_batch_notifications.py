@@ -116,3 +116,32 @@ def test_a_failed_batch_notifies_the_webhook_with_its_error_and_emits_no_event(
     assert [e["code"] for e in message["errors"]] == [e["code"] for e in batch["errors"]["data"]][:5]
     assert "duplicate" in json.dumps(message["errors"]).lower(), message
     assert asset_events(airflow_session_env, batch["id"]) == []
+
+
+def test_a_batch_stopped_by_its_error_rate_ends_failed_with_its_answers(
+        fake, receiver, airflow_session_env, tmp_path):
+    """Issue 40's stop rule through the DAG: the run's param reaches validate, the drivers stop the
+    batch once most of its answers are the requests' own errors (a 400 for four lines in five), and
+    merge publishes it failed with the rule's code, the answers so far in the output, the rest
+    ``batch_stopped``; the webhook is told."""
+    requests = chat_requests(1000)
+    for i, request in enumerate(requests):
+        request["body"]["fault"] = ["ok@0.02" if i % 5 == 0 else "400@0.02"]  # 100 answers a second
+    out = tmp_path / "out"
+    env = {**airflow_session_env, "AIRFLOW__AIBRIX_BATCH__NOTIFY_WEBHOOK_URL": receiver.url}
+    input_uri = str(write_jsonl(tmp_path / "in.jsonl", requests))
+    proc = dags_test(env, {"input_uri": input_uri, "output_uri": str(out), "endpoint": fake.url,
+                           "model": SERVED_NAME, "concurrency": 2,
+                           "stop_rules": {"max_error_rate": 0.5, "error_rate_min_sample": 50}}, tmp_path)
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["status"] == "failed", proc.stdout[-4000:]
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "max_error_rate_exceeded", error
+    answered = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    stopped = [e for e in errors if e["error"]["code"] == "batch_stopped"]
+    assert sorted(r["custom_id"] for r in answered + errors) == [r["custom_id"] for r in requests]
+    assert len(stopped) > 500 and batch["aibrix_unanswered"] == len(stopped)  # it stopped early
+    assert sum(fake.counts().values()) == 1000 - len(stopped)  # never sent, not sent and dropped
+    [(_, message)] = receiver.received
+    assert message["status"] == "failed" and message["batch_id"] == batch["id"]

@@ -52,7 +52,8 @@ def _segment(log: ResultLog, *records: dict[str, Any]) -> None:
 
 
 def _ok(cid: str) -> dict[str, Any]:
-    return success_record(cid, 200, "r", {})
+    # Every answer counts 5 prompt + 3 completion tokens: the batch's live usage sums them.
+    return success_record(cid, 200, "r", {"usage": {"prompt_tokens": 5, "completion_tokens": 3}})
 
 
 def _bad(cid: str) -> dict[str, Any]:
@@ -75,8 +76,10 @@ def test_a_poll_reads_only_the_segments_written_since_the_last(tmp_path) -> None
     assert storage.reads == []
     assert storage.listed == []  # and the listing starts after the last counted: it is empty
 
+    assert (tally.usage.input_tokens, tally.usage.output_tokens) == (30, 18)
     _segment(writer, _ok("c"), _bad("d"))
     assert tally.update() == (8, 1)
+    assert (tally.usage.input_tokens, tally.usage.output_tokens) == (35, 21)  # the error line has none
     assert storage.listed == storage.reads  # the listing returned only the new segment
     assert len(storage.reads) == 1 and storage.reads[0] == writer.segments()[-1]
 
@@ -99,6 +102,7 @@ def test_the_tally_counts_as_a_full_scan_does_when_attempts_overlap_or_the_log_i
     assert tally.update() == (2, 0)
     clock.now = 30.0
     assert tally.update() == (3, 1) == (len(older.scan()[0]), older.scan()[1])
+    assert tally.usage.input_tokens == 10  # y and z answered; x's first answer is the error
 
     for uri in older.segments():
         if older.attempt_id in uri:

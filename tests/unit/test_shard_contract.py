@@ -9,6 +9,7 @@ from dataclasses import fields
 
 import pytest
 
+from aibrix_operators.batch.stop_rules import StopRules
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.cli import build_parser, config_from
 from aibrix_operators.driver.config import DEFAULT_ENDPOINT_WAIT_S, DriverConfig, default
@@ -36,7 +37,9 @@ def _worker_config(**more: object) -> DriverConfig:
     return DriverConfig(
         endpoint="http://router.batch.svc:8000", concurrency=7, max_attempts=3, request_timeout_s=45.5,
         deadline=2e9, outage_budget_s=120.0, cancel_uri="s3://b/w/cancel.json", cache_salt="-tenant-salt",
-        capacity=SharedCapacity(batch_priority=7, target_inflight=3), **more,
+        capacity=SharedCapacity(batch_priority=7, target_inflight=3),
+        stop_rules=StopRules(max_error_rate=0.25, error_rate_min_sample=40, max_total_tokens=10_000),
+        stop_prefix="s3://b/w/stop", **more,
     )
 
 
@@ -65,6 +68,11 @@ def test_a_pod_config_is_checked_as_the_workers_and_refuses_what_it_does_not_kno
         DriverConfig.from_json(json.dumps({**good, "max_retries": 3}))
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         DriverConfig.from_json(json.dumps({**good, "concurrency": 0}))
+    bad_rate = {**good["stop_rules"], "max_error_rate": 3}
+    with pytest.raises(ValueError, match="max_error_rate must be a fraction"):  # rules checked in the pod too
+        DriverConfig.from_json(json.dumps({**good, "stop_rules": bad_rate}))
+    with pytest.raises(ValueError, match=r"unknown stop rule\(s\) \['max_cost'\]"):
+        DriverConfig.from_json(json.dumps({**good, "stop_rules": {"max_cost": 1}}))
     with pytest.raises(ValueError, match="no endpoint"):
         DriverConfig.from_json(json.dumps({k: v for k, v in good.items() if k != "endpoint"}))
     with pytest.raises(ValueError, match="not JSON"):

@@ -29,6 +29,9 @@ class RequestError(StrEnum):
     BATCH_EXPIRED = "batch_expired"
     # The batch was cancelled before the request was answered; retry: resubmit it if still wanted.
     BATCH_CANCELLED = "batch_cancelled"
+    # One of the batch's stop rules tripped (max_error_rate, max_total_tokens) before the request was
+    # answered; the batch's own error says which rule and the figures; retry: resubmit it if still wanted.
+    BATCH_STOPPED = "batch_stopped"
     # Every charged attempt timed out while the endpoint answered others; retry: may help.
     TIMEOUT = "timeout"
     # Every charged attempt lost its connection while the endpoint answered others; retry: may help.
@@ -110,6 +113,9 @@ class ValidationCode(StrEnum):
     INPUT_ACCESS_DENIED = "input_access_denied"
     # Reading the input failed otherwise (e.g. a read broke off); retry: a new run may help.
     INPUT_UNREADABLE = "input_unreadable"
+    # A stop rule (max_error_rate, error_rate_min_sample, max_total_tokens) is out of range or over
+    # the deployment's limit (the message says which and how to fix it); retry: no.
+    INVALID_STOP_RULES = "invalid_stop_rules"
 
 
 class BatchFailure(StrEnum):
@@ -181,9 +187,20 @@ class BatchFailure(StrEnum):
     # Admission refused the driver pod as specified (PodSecurity, a LimitRange, a missing
     # ServiceAccount); retry: no, fix the driver-pod settings or the namespace's policy.
     KUBERNETES_POD_REFUSED = "kubernetes_pod_refused"
+    # The batch's max_error_rate tripped: that share of its requests failed with their own errors
+    # (never an outage) over at least error_rate_min_sample answers; it stopped sending and its
+    # answers so far are in the output; retry: no, fix the requests (see errors.jsonl).
+    MAX_ERROR_RATE_EXCEEDED = "max_error_rate_exceeded"
+    # The batch's tokens (input + output) reached its max_total_tokens budget; it stopped sending and
+    # its answers so far are in the output; retry: resubmit the rest with a larger budget.
+    MAX_TOTAL_TOKENS_EXCEEDED = "max_total_tokens_exceeded"
     # Another Kubernetes API failure (after the provider's own retries); retry: yes.
     KUBERNETES_API_ERROR = "kubernetes_api_error"
 
+
+# The lines of requests nobody answered because the batch ended first: not the requests' own errors
+# (a stop rule's error rate does not count them; aibrix_unanswered does).
+UNANSWERED = frozenset({RequestError.BATCH_EXPIRED, RequestError.BATCH_CANCELLED, RequestError.BATCH_STOPPED})
 
 ALL_CODES: tuple[type[StrEnum], ...] = (RequestError, ValidationCode, BatchFailure)
 

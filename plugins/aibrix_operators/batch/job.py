@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from aibrix_operators.batch.deadline import deadline
+from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
 from aibrix_operators.batch.error_codes import BatchFailure, RequestError, ValidationCode
 from aibrix_operators.batch.failures import (
     FailureRecord,
@@ -56,6 +57,7 @@ from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helper
 )
 from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
 from aibrix_operators.batch.sharding import ShardSpec, plan_shards, split_file
+from aibrix_operators.batch.stop_rules import StopReason, StopRules, stop_marker_uri
 from aibrix_operators.batch.validation import ValidationLimits, ValidationReport, validate_stream
 from aibrix_operators.storage import Storage, StorageError, join_uri
 
@@ -105,6 +107,8 @@ class ValidatedBatch:
     # LoRA adapters of ``model`` that lines name, in first-seen order (docs/lora.md): the
     # order file's model k is adapters[k - 1].
     adapters: list[str] = dataclasses.field(default_factory=list)
+    # The batch's stop rules (batch/stop_rules.py, as checked by validate), or None for none.
+    stop_rules: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -131,6 +135,8 @@ def validate_batch(
     adapters: dict[str, str] | None = None,
     min_window_s: int | None = None,
     submitted_at: int | None = None,
+    stop_rules: dict[str, Any] | None = None,
+    max_batch_tokens: int | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -157,6 +163,10 @@ def validate_batch(
     ``submitted_at``: when the batch was submitted (``batch/deadline.py``: its run's ``run_after``),
     the ``created_at`` its window runs from: ``expires_at`` is the deadline the API shows and the
     drivers enforce, however long the batch waited for this step. None: now.
+
+    ``stop_rules``: the batch's (``batch/stop_rules.py``: ``max_error_rate``, ``error_rate_min_sample``,
+    ``max_total_tokens``), checked here once, under the deployment's ``max_batch_tokens`` (a batch
+    without a budget gets it); a bad one fails the batch with ``invalid_stop_rules``.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -176,6 +186,11 @@ def validate_batch(
         window_s = check_min_window(completion_window, min_window_s)
     except ValueError as exc:
         report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")
+    rules: StopRules | None = None
+    try:
+        rules = StopRules.from_dict(stop_rules).within(max_batch_tokens)
+    except (ValueError, TypeError) as exc:
+        report.add_error(None, ValidationCode.INVALID_STOP_RULES, str(exc), "stop_rules")
     # The run's work prefix is the parent of its prefix-order file (the operator names it): keys
     # too long for S3 fail the batch now, not in dispatch once the work is done.
     too_long = output_key_problem(prefix_order_uri.rsplit("/", 1)[0]) if prefix_order_uri else None
@@ -238,6 +253,7 @@ def validate_batch(
         last_request_line=report.last_request_line,
         prefix_order_uri=order_uri, prefix_groups=groups, prefix_shared_requests=shared,
         adapters=list(report.adapter_counts),
+        stop_rules=rules.as_dict() if rules is not None and rules.active else None,
     )
 
 
@@ -280,7 +296,9 @@ def finalize_batch(
 ) -> tuple[MergeSummary, BatchObject]:
     """Merge every shard's results and publish ``batch.json``.
 
-    The status is ``cancelled`` when requests were left unanswered by a cancel
+    The status is ``failed`` when a stop rule stopped the batch (its marker says which; the
+    answers so far are in the output, the rest ``batch_stopped`` lines), else ``cancelled`` when
+    requests were left unanswered by a cancel
     (``batch_cancelled`` lines), else ``expired`` (OpenAI's) when the completion window
     ended with requests unanswered (``batch_expired`` lines); the answers that did come
     are in the output file either way.
@@ -292,10 +310,14 @@ def finalize_batch(
 
     summary = merge_results(storage, shards, segments_of, batch.output_uri)
     ended = int(time.time())
-    cancelled = (summary.error_codes.get(RequestError.BATCH_CANCELLED, 0) > 0
-                 or storage.exists(cancel_marker_uri(work)))
-    expired = not cancelled and summary.error_codes.get(RequestError.BATCH_EXPIRED, 0) > 0
-    status = BatchStatus.CANCELLED if cancelled else BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED
+    stopped = _stop_reason(storage, work) if batch.stop_rules else None
+    cancelled = stopped is None and (summary.error_codes.get(RequestError.BATCH_CANCELLED, 0) > 0
+                                     or storage.exists(cancel_marker_uri(work)))
+    expired = (stopped is None and not cancelled
+               and summary.error_codes.get(RequestError.BATCH_EXPIRED, 0) > 0)
+    status = (BatchStatus.FAILED if stopped else BatchStatus.CANCELLED if cancelled
+              else BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED)
+    unanswered = sum(summary.error_codes.get(code, 0) for code in UNANSWERED_CODES)
     obj = BatchObject(
         id=batch.batch_id, endpoint=batch.endpoint, input_file_id=batch.input_uri,
         completion_window=batch.completion_window, status=status, model=batch.model,
@@ -304,14 +326,20 @@ def finalize_batch(
         expires_at=batch.expires_at, finalizing_at=finalizing_at,
         completed_at=ended if status == BatchStatus.COMPLETED else None,
         expired_at=ended if expired else None, cancelled_at=ended if cancelled else None,
+        failed_at=ended if stopped else None,
+        errors=error_list(stopped.code, stopped.message, "stop_rules") if stopped else None,
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
-        aibrix_unanswered=(summary.error_codes.get(RequestError.BATCH_CANCELLED, 0)
-                           + summary.error_codes.get(RequestError.BATCH_EXPIRED, 0))
-        if cancelled or expired else None,
+        aibrix_unanswered=unanswered if stopped or cancelled or expired else None,
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj
+
+
+def _stop_reason(storage: Storage, work: str) -> StopReason | None:
+    """The stop rule that stopped the run's drivers (batch/stop_rules.py), if one did."""
+    uri = stop_marker_uri(work)
+    return StopReason.from_bytes(storage.read_bytes(uri)) if storage.exists(uri) else None
 
 
 def record_batch_failure(

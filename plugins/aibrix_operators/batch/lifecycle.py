@@ -44,8 +44,10 @@ class BatchStatus(StrEnum):
 
 TERMINAL = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED,
                       BatchStatus.CANCELLED})  # fmt: skip
-# Ends whose output file may hold answers (a failed batch's has none).
-ENDED_WITH_OUTPUT = frozenset({BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
+# Ends whose output file may hold answers: a failed batch's only when a stop rule stopped it after
+# answers came (its batch.json names the files; one that failed otherwise names none).
+ENDED_WITH_OUTPUT = frozenset({BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED,
+                               BatchStatus.FAILED})
 # The statuses a batch passes through as gauges (one series each): cancelling is the API's view
 # of a cancel marker, not a phase the pipeline publishes.
 PHASES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
@@ -89,6 +91,8 @@ class RunSnapshot:
     cancel_at: int | None = None
     # (total, answered, errors) from the drivers' checkpoints while dispatch runs.
     live_counts: tuple[int, int, int] | None = None
+    # While it runs: the tokens of the answers so far (OpenAI's ``usage`` shape; merge's totals later).
+    live_usage: dict[str, Any] | None = None
     total_requests: int | None = None
     # While dispatch runs: how many shards the batch has, and which have finished (their
     # dispatch succeeded): the partial output is theirs.

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aibrix_operators.batch.jsonfast import loads
+from aibrix_operators.batch.records import Usage
 from aibrix_operators.storage import Storage, join_uri
 
 SEGMENT_SUFFIX = ".jsonl"
@@ -173,6 +174,7 @@ class ResultTally:
         self.full_listing_s = full_listing_s
         self.done: set[str] = set()
         self.errors = 0
+        self.usage = Usage()  # the answers' tokens, as merge will total them (the batch's live usage)
         self.segments_read = 0  # segment reads over this tally's life (what a poll costs)
         self._counted: list[str] = []  # segment names, in the order they were counted
         self._last_uri: str | None = None
@@ -198,6 +200,7 @@ class ResultTally:
         if len(listed) - len(new) != len(self._counted) or (
                 new and self._counted and _name(new[0]) < self._counted[-1]):
             self.done, self.errors, self._counted, self._last_uri = set(), 0, [], None
+            self.usage = Usage()
             return listed
         return new
 
@@ -210,7 +213,10 @@ class ResultTally:
                 record = loads(line)
                 if record["custom_id"] not in self.done:
                     self.done.add(record["custom_id"])
-                    self.errors += record.get("error") is not None
+                    if record.get("error") is not None:
+                        self.errors += 1
+                    else:
+                        self.usage.add_response_body((record.get("response") or {}).get("body"))
             self._counted.append(_name(uri))
             self._last_uri = uri
 

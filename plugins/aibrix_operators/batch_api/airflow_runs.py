@@ -24,6 +24,7 @@ from aibrix_operators.batch.job import cancel_marker_uri, work_prefix
 from aibrix_operators.batch.lifecycle import BatchStatus, RunSnapshot, Step, TaskState, batch_status
 from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.batch.partial import partial_answers
+from aibrix_operators.batch.records import Usage
 from aibrix_operators.batch.shard_results import ResultLog, ResultTally, fingerprint_shard, results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
 from aibrix_operators.batch_api.batches import API_CONF_KEY
@@ -47,7 +48,7 @@ _FINISHED_MAX = 20_000
 # result segments written since the last poll. The three are bounded; past a bound the
 # cache starts over (a cost, never a wrong count).
 _STEP_VALUES: dict[tuple[str, str, int | None], Any] = {}
-_SHARD_COUNTS: dict[tuple[str, int, int | None], tuple[int, int]] = {}
+_SHARD_COUNTS: dict[tuple[str, int, int | None], tuple[int, int, Usage]] = {}
 _TALLIES: dict[tuple[str, str, int | None], ResultTally] = {}
 _CACHE_MAX = 20_000
 _TALLIES_MAX = 1_000  # each holds its shard's answered ids
@@ -234,15 +235,17 @@ class BatchRuns:
         dispatch = snap.step(Step.DISPATCH)
         dispatch = dispatch if len(dispatch) == len(shards) else []
         answered = errors = 0
+        usage = Usage()
         for index, item in enumerate(shards):
             shard = ShardSpec.from_dict(item)
             done_key = None
             if dispatch and dispatch[index].state == "success":
                 done_key = (run_id, index, dispatch[index].end)
                 if done_key in _SHARD_COUNTS:
-                    shard_answered, shard_errors = _SHARD_COUNTS[done_key]
+                    shard_answered, shard_errors, shard_usage = _SHARD_COUNTS[done_key]
                     answered += shard_answered
                     errors += shard_errors
+                    usage.merge(shard_usage)
                     continue
             tally_key = (run_id, shard.name, split_end)
             try:
@@ -252,11 +255,13 @@ class BatchRuns:
                 continue  # a shard being written or a store hiccup: counts catch up next poll
             answered += shard_answered
             errors += shard_errors
+            usage.merge(tally.usage)
             if done_key is not None and split_end is not None:
-                _remember(_SHARD_COUNTS, done_key, (shard_answered, shard_errors))
+                _remember(_SHARD_COUNTS, done_key, (shard_answered, shard_errors, tally.usage))
                 with _TALLIES_LOCK:
                     _TALLIES.pop(tally_key, None)
         snap.live_counts = (snap.total_requests or sum(s["num_requests"] for s in shards), answered, errors)
+        snap.live_usage = usage.as_dict()
         snap.shard_count = len(shards)
         snap.shards_done = tuple(i for i, t in enumerate(dispatch) if t.state == "success")
 

@@ -32,6 +32,7 @@ from aibrix_operators.batch_api.batches import (
     check_endpoint,
     check_metadata,
     check_pool,
+    check_stop_rules,
     check_window,
     dag_conf,
     first_line_model,
@@ -224,6 +225,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         check_window(body.completion_window, ctx.settings.min_window_s)
         metadata = check_metadata(body.metadata)
         pool_params = check_pool(body.pool, ctx.settings.pool_limits)
+        stop_rules = check_stop_rules(body.stop_rules, ctx.settings.max_batch_tokens)
         file_id = check_file_id(body.input_file_id, "input_file_id")
         try:
             stored = ctx.files.get(tenant, file_id)
@@ -242,7 +244,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         created_at = int(time.time())
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
                         body.completion_window, metadata, model, route, created_at, digest,
-                        ctx.cache_salt_claim(run_id, tenant), pool_params)
+                        ctx.cache_salt_claim(run_id, tenant), pool_params, stop_rules)
         row, created = ctx.runs.trigger(run_id, conf, created_at)
         if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",

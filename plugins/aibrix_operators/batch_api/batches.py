@@ -13,7 +13,7 @@ import json
 import unicodedata
 from typing import Any
 
-from aibrix_operators.batch.error_codes import BatchFailure
+from aibrix_operators.batch.error_codes import BatchFailure, ValidationCode
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, JobPoolLimits, PoolLimitExceeded
 from aibrix_operators.batch.records import (
     DEFAULT_MIN_COMPLETION_WINDOW,
@@ -21,6 +21,7 @@ from aibrix_operators.batch.records import (
     check_min_window,
     parse_completion_window,
 )
+from aibrix_operators.batch.stop_rules import StopRules
 from aibrix_operators.batch_api.errors import bad_request
 from aibrix_operators.batch_api.files import batch_output_uri
 from aibrix_operators.batch_api.settings import ApiSettings, ModelRoute
@@ -100,6 +101,16 @@ def check_window(window: str, min_window_s: int = DEFAULT_MIN_WINDOW_S) -> int:
     return seconds
 
 
+def check_stop_rules(rules: Any, max_batch_tokens: int | None) -> dict[str, Any] | None:
+    """A create request's ``stop_rules`` (batch/stop_rules.py) under the deployment's token limit,
+    as the DAG's validate step will read them; 400 ``invalid_stop_rules`` otherwise."""
+    try:
+        checked = StopRules.from_dict(rules).within(max_batch_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc), "stop_rules", ValidationCode.INVALID_STOP_RULES) from None
+    return checked.as_dict() if checked.active else None
+
+
 def check_endpoint(endpoint: str) -> str:
     if endpoint not in SUPPORTED_ENDPOINTS:
         raise bad_request(f"endpoint must be one of {list(SUPPORTED_ENDPOINTS)}", "endpoint",
@@ -150,7 +161,7 @@ def dag_conf(
     settings: ApiSettings, tenant: str, batch_id: str, input_file_id: str, input_uri: str,
     endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
     created_at: int, digest: str, salt_claim: dict[str, str] | None = None,
-    pool_params: dict[str, Any] | None = None,
+    pool_params: dict[str, Any] | None = None, stop_rules: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     conf: dict[str, Any] = {
         **settings.dag_conf,
@@ -162,6 +173,7 @@ def dag_conf(
         "model": model,
         "completion_window": window,
         "metadata": metadata,
+        "stop_rules": stop_rules or {},
         "aws_conn_id": settings.aws_conn_id,
         **route.dag_params(),
         # No salt in the conf (anyone who may read the run would see it): a claim the dispatch

@@ -127,6 +127,9 @@ class CreateBatch(BaseModel):
     # Not OpenAI's: the job pool (docs/job-pool.md), e.g. {"max_workers": 2, "memory_per_job": "2Gi"};
     # the SDK sends it with extra_body. Checked by hand (batches.check_pool) to answer 400.
     pool: dict[str, Any] | None = None
+    # Not OpenAI's: stop rules (docs/stop-rules.md), e.g. {"max_error_rate": 0.2}; with extra_body.
+    # Checked by hand (batches.check_stop_rules) to answer 400.
+    stop_rules: dict[str, Any] | None = None
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -32,6 +32,7 @@ from aibrix_operators.batch.records import (
 )
 from aibrix_operators.settings.completion_window import min_completion_window_s
 from aibrix_operators.settings.job_pool import job_pool_limits
+from aibrix_operators.settings.stop_rules import parse_max_batch_tokens
 
 DAG_ID = "batch_inference"
 # DAG params a deployment may fix through api_dag_conf; never anything that names a place,
@@ -70,6 +71,9 @@ class ApiSettings:
     # The shortest completion_window a batch may ask for ([aibrix_batch] min_completion_window,
     # the same key the DAG's validate step checks; settings/completion_window.py).
     min_window_s: int = parse_completion_window(DEFAULT_MIN_COMPLETION_WINDOW)
+    # The largest token budget a batch may set ([aibrix_batch] max_batch_tokens, the same key the
+    # DAG's validate step applies; settings/stop_rules.py); None: no limit.
+    max_batch_tokens: int | None = None
 
     def monitor_url(self, run_id: str) -> str | None:
         """The Airflow UI page of the batch's run (its grid view): ``{base}/dags/{dag}/runs/{run}``,
@@ -119,4 +123,5 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
                           ).rstrip("/") or None,
         pool_limits=job_pool_limits(get),
         min_window_s=min_completion_window_s(get),
+        max_batch_tokens=parse_max_batch_tokens(get("max_batch_tokens")),
     )

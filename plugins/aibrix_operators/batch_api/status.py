@@ -107,7 +107,8 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         "cancelled_at": published.get("cancelled_at") if status == BatchStatus.CANCELLED else None,
         "request_counts": {k: int(counts.get(k, 0)) for k in ("total", "completed", "failed")},
         "metadata": dict(snap.conf.get("metadata") or {}) or None,
-        "usage": published.get("usage") if status in TERMINAL else None,
+        # OpenAI's usage, growing while the batch runs (the answers so far), merge's totals at the end.
+        "usage": published.get("usage") if status in TERMINAL else snap.live_usage,
         STATUS_LINE_KEY: _status_line(snap, status, counts, in_progress_at, expires_at, now),
         UNANSWERED_KEY: _unanswered(published) if status in TERMINAL else None,
         # Results while the batch runs (docs/batch-api.md#partial-results): the finished shards'

@@ -25,8 +25,9 @@ from openai.types import Batch, FileObject
 from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
+from aibrix_operators.batch.stop_rules import StopRules
 from aibrix_operators.batch_api import extensions
-from aibrix_operators.client.errors import BatchNotDone, InputFileError, PoolConfigError
+from aibrix_operators.client.errors import BatchNotDone, InputFileError, PoolConfigError, StopRulesError
 from aibrix_operators.client.profile import normalize_base_url
 from aibrix_operators.client.progress import ProgressReader
 
@@ -65,15 +66,19 @@ class BatchClient:
                      metadata: dict[str, str] | None = None, endpoint: str | None = None,
                      idempotency_key: str | None = None,
                      pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                     stop_rules: StopRules | Mapping[str, Any] | None = None,
                      on_upload: Callable[[int, int | None], None] | None = None) -> Batch:
         """Upload ``input_file`` (or use ``input_file_id``) and create its batch.
 
         ``endpoint`` defaults to the ``url`` of the file's first line. ``pool`` is the job pool:
         a pool file's path, its ``pool:`` mapping, or a ``JobPool`` (docs/job-pool.md); checked
         before the upload, sent as the API's ``pool`` field. The returned Batch keeps the API's
-        extra fields: ``batch.monitor_url`` is the run's page in the Airflow UI.
+        extra fields: ``batch.monitor_url`` is the run's page in the Airflow UI. ``stop_rules``:
+        ``max_error_rate``, ``error_rate_min_sample``, ``max_total_tokens`` (docs/stop-rules.md),
+        checked before the upload, sent as the API's ``stop_rules`` field.
         """
         pool_body = pool_request(pool)
+        rules_body = stop_rules_request(stop_rules)
         if (input_file is None) == (input_file_id is None):
             raise InputFileError("give exactly one of input_file and input_file_id")
         if input_file is not None:
@@ -94,7 +99,7 @@ class BatchClient:
             input_file_id=input_file_id, endpoint=endpoint,  # type: ignore[arg-type]
             completion_window=completion_window,  # type: ignore[arg-type]
             metadata=metadata, extra_headers=headers,
-            extra_body={"pool": pool_body} if pool_body else None)
+            extra_body={k: v for k, v in (("pool", pool_body), ("stop_rules", rules_body)) if v} or None)
 
     # ------------------------------------------------------------------ follow
     def retrieve(self, batch_id: str) -> Batch:
@@ -239,6 +244,18 @@ def pool_request(pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | No
     except JobPoolError as exc:
         raise PoolConfigError(str(exc)) from None
     return pool.as_params() or None
+
+
+def stop_rules_request(rules: StopRules | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The ``stop_rules`` field of a create request, or None for no rule; StopRulesError for a rule
+    out of range, found here rather than by the server after an upload."""
+    if rules is None:
+        return None
+    try:
+        checked = rules if isinstance(rules, StopRules) else StopRules.from_dict(dict(rules))
+    except (ValueError, TypeError) as exc:
+        raise StopRulesError(str(exc)) from None
+    return checked.as_dict() if checked.active else None
 
 
 @contextmanager

@@ -102,6 +102,13 @@ def build_parser() -> Parser:
     create.add_argument("--config", "-c", metavar="POOL.yaml",
                         help="job-pool file: pool: {max_workers, memory_per_job, gpu_policy, "
                         "requests_per_shard, concurrency} (docs/job-pool.md)")
+    create.add_argument("--max-error-rate", type=float, metavar="RATE",
+                        help="stop the batch once more than this share (0-1) of its answers are the "
+                             "requests' own errors (docs/stop-rules.md)")
+    create.add_argument("--error-rate-min-sample", type=int, metavar="N",
+                        help="answers before --max-error-rate is judged (default 100)")
+    create.add_argument("--max-total-tokens", type=int, metavar="N",
+                        help="stop the batch once it used N tokens (input + output)")
     create.add_argument("--wait", action="store_true", help="follow the batch until it ends")
     status = verb("status", "show a batch's status and progress",
                   f"{PROG} status batch_0a750e3a913c42cf9aa498ddbbbcaf08 --watch")
@@ -211,6 +218,12 @@ def _state(batch: Any) -> str:
     return f"{batch.status} {c.completed if c else 0} {c.failed if c else 0}"
 
 
+def _stop_rules(args: argparse.Namespace) -> dict[str, Any] | None:
+    rules = {"max_error_rate": args.max_error_rate, "error_rate_min_sample": args.error_rate_min_sample,
+             "max_total_tokens": args.max_total_tokens}
+    return {k: v for k, v in rules.items() if v is not None} or None
+
+
 def cmd_create(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
     metadata = parse_metadata(args.metadata)
     size = os.path.getsize(args.input) if os.path.isfile(args.input) else 0
@@ -218,7 +231,7 @@ def cmd_create(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
                              enabled=None if size >= LARGE_FILE and not out.as_json else False)
     batch = client.create_batch(input_file=args.input, completion_window=args.window, metadata=metadata,
                                 endpoint=args.endpoint, idempotency_key=args.idempotency_key,
-                                pool=args.config,
+                                pool=args.config, stop_rules=_stop_rules(args),
                                 on_upload=lambda done, _total: upload_bar.update(done))
     upload_bar.close()
     if out.as_json:

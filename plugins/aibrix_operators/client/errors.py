@@ -38,6 +38,10 @@ class PoolConfigError(ClientError):
     """A job-pool file or ``pool=`` value of the wrong shape (checked before anything is sent)."""
 
 
+class StopRulesError(ClientError):
+    """A stop rule out of range (docs/stop-rules.md), found before anything is sent."""
+
+
 class BatchNotDone(ClientError):
     """The batch ended without completing, or has not ended when its results were asked for."""
 

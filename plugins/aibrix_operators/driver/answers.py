@@ -122,8 +122,20 @@ def cancelled_line(custom_id: str, last: Failure | None) -> dict[str, Any]:
     return error_record(custom_id, RequestError.BATCH_CANCELLED, message)
 
 
-def stopped_line(custom_id: str, last: Failure | None, cancelled: bool) -> dict[str, Any]:
-    """The line of a request that a cancel, else the deadline, stopped before it was answered."""
+def rule_stopped_line(custom_id: str, last: Failure | None, rule: str) -> dict[str, Any]:
+    message = f"the batch's {rule} stop rule stopped it before this request was answered"
+    if last is not None:
+        message += f"; its last attempt failed with {last.code}: {last.message}"
+    return error_record(custom_id, RequestError.BATCH_STOPPED, message)
+
+
+def stopped_line(
+    custom_id: str, last: Failure | None, cancelled: bool, rule: str | None = None
+) -> dict[str, Any]:
+    """The line of a request that a stop rule (``rule``), a cancel, else the deadline, stopped
+    before it was answered."""
+    if rule is not None:
+        return rule_stopped_line(custom_id, last, rule)
     return cancelled_line(custom_id, last) if cancelled else expired_line(custom_id, last)
 
 

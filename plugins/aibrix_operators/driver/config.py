@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from aibrix_operators.batch.stop_rules import StopRules
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.cache_salt import check_cache_salt
 from aibrix_operators.trust.policy import endpoint_form_problem, under_base
@@ -76,6 +77,12 @@ class DriverConfig:
     # the deployment's batch priority and an adaptive limit per endpoint paces them (at most
     # ``concurrency``). None: dedicated, ``concurrency`` requests in flight throughout.
     capacity: SharedCapacity | None = None
+    # Stop rules (batch/stop_rules.py, driver/stop_watch.py): the batch's, checked by validate. The
+    # shard publishes its tally under stop_prefix and sums the others' every stop_poll_s; a tripped
+    # rule stops the batch like a cancel. None: no rule, nothing published.
+    stop_rules: StopRules | None = None
+    stop_prefix: str | None = None
+    stop_poll_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -86,7 +93,7 @@ class DriverConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("probe_interval_s", "outage_budget_s", "checkpoint_retry_s", "flush_interval_s",
-                     "request_timeout_s", "connect_timeout_s", "cancel_poll_s"):
+                     "request_timeout_s", "connect_timeout_s", "cancel_poll_s", "stop_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         check_cache_salt(self.cache_salt)
@@ -109,6 +116,7 @@ class DriverConfig:
         back and checks it as the worker's config was checked). No key or extra header travels."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SENT}
         data["capacity"] = asdict(self.capacity) if self.capacity is not None else None
+        data["stop_rules"] = self.stop_rules.as_dict() if self.stop_rules is not None else None
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -128,8 +136,10 @@ class DriverConfig:
         if "endpoint" not in data:
             raise ValueError("driver config has no endpoint")
         capacity = data.pop("capacity", None)
+        rules = data.pop("stop_rules", None)
         try:
-            return cls(**data, capacity=SharedCapacity(**capacity) if capacity is not None else None)
+            return cls(**data, capacity=SharedCapacity(**capacity) if capacity is not None else None,
+                       stop_rules=StopRules.from_dict(rules) if rules is not None else None)
         except TypeError as exc:
             raise ValueError(f"driver config: {exc}") from exc
 

@@ -19,16 +19,17 @@ from typing import Any
 
 import aiohttp
 
+from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
 from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import dumps, loads
 from aibrix_operators.batch.records import Usage, error_record
 from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard
+from aibrix_operators.batch.stop_rules import StopTally
 from aibrix_operators.capacity import controller as shared_capacity
 from aibrix_operators.capacity.controller import EndpointController, ShardDemand
 from aibrix_operators.driver.answers import (
     Failure,
-    cancelled_line,
     classify,
     expired_line,
     stopped_line,
@@ -44,22 +45,20 @@ from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve
 from aibrix_operators.driver.preflight import probe_endpoint
 from aibrix_operators.driver.priority import DEDICATED_PRIORITY, prioritized_body
 from aibrix_operators.driver.progress import ProgressReporter
-from aibrix_operators.driver.retry import (
-    backoff_delay,
-)
+from aibrix_operators.driver.retry import backoff_delay
 from aibrix_operators.driver.shard_outcome import ShardChanged, ShardOutcome
+from aibrix_operators.driver.stop_watch import StopWatch, shard_stop_watch
 from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate, prefix_hashes
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)
-
 
 # Answers that say the endpoint (or the router shedding batch first) has no room: shared mode's
 # limit halves on them.
 SHED_STATUS = frozenset({429, 503})
 
 
-def _capacity_detail(counters: _Counters) -> str:
+def _capacity_detail(counters: _Counters) -> str:  # shared mode's limit, on progress lines
     return "" if counters.capacity is None else " " + counters.capacity.describe()
 
 
@@ -67,6 +66,7 @@ class _Counters:
     def __init__(self) -> None:
         self.completed = 0
         self.failed = 0
+        self.unanswered = 0  # of failed: left unanswered by a stop, a cancel or the deadline
         self.retries = 0
         self.usage = Usage()
         # Read by driver/metrics.py at scrape time (nothing per request but the histogram).
@@ -132,16 +132,21 @@ async def run_shard(
                 config.base_url, config.capacity, config.concurrency, config.headers(), config.deadline,
                 total - len(done))
         cancel = CancelWatch(storage, config.cancel_uri, config.cancel_poll_s)
+        stop = shard_stop_watch(storage, config, name, cancel, len(done), done_failed, lambda: StopTally(
+            counters.completed + counters.failed, counters.failed - counters.unanswered,
+            counters.usage.input_tokens, counters.usage.output_tokens))
         with storage.open_read(shard_uri) as src:
             if warm_up:
                 gate = WarmupGate(_pending_with_prefixes(src, done), warmup_wait_s)
-                await _send_all(gate, config, counters, writer, progress, outcome, cancel)
+                await _send_all(gate, config, counters, writer, progress, outcome, cancel, stop)
                 log.info("%s: prefix warm-up held %d requests behind their group's first answer "
                          "(%d groups released by the %.0f s bound)", name, gate.held, gate.timed_out,
                          warmup_wait_s)  # fmt: skip
             else:
                 await _send_all(_pending_requests(src, done), config, counters, writer, progress, outcome,
-                                cancel)  # fmt: skip
+                                cancel, stop)  # fmt: skip
+        if stop is not None:
+            await asyncio.to_thread(stop.publish, True)
     finally:
         outcome.completed = counters.completed
         outcome.failed = counters.failed
@@ -165,6 +170,7 @@ async def _send_all(
     progress: ProgressReporter,
     outcome: ShardOutcome,
     cancel: CancelWatch,
+    stop: StopWatch | None = None,
 ) -> None:
     """Workers, checkpoint writer, breaker probe, cancel watch and progress in one task group: the first
     failure cancels the rest, and the sessions close once."""
@@ -187,11 +193,14 @@ async def _send_all(
         # Before any worker starts: a cancel that came before the shard did must stop every request
         # (the watch below only polls, and the workers would send `concurrency` requests first).
         await cancel.check()
+        if stop is not None and (reason := await asyncio.to_thread(stop.check)) is not None:
+            cancel.stop(reason)  # a batch another shard stopped sends nothing more from this one
         try:
             async with asyncio.TaskGroup() as tg:
                 write_task = tg.create_task(writer.run())
                 probe_task = tg.create_task(health.run())
                 cancel_task = tg.create_task(cancel.run())
+                stop_task = tg.create_task(stop.run()) if stop is not None else None
                 report_task = tg.create_task(
                     progress.run(lambda: (counters.completed, counters.failed))
                 )
@@ -204,6 +213,8 @@ async def _send_all(
                 writer.close()
                 probe_task.cancel()
                 cancel_task.cancel()
+                if stop_task is not None:
+                    stop_task.cancel()
                 report_task.cancel()
                 await write_task
         except BaseExceptionGroup as group:
@@ -214,7 +225,8 @@ async def _send_all(
         finally:
             outcome.outages = health.outages
             outcome.paused_s = round(health.paused_s, 3)
-            outcome.cancelled = cancel.cancelled
+            outcome.cancelled = cancel.cancelled and cancel.stopped_by is None
+            outcome.stopped_by = cancel.stopped_by.rule if cancel.stopped_by is not None else None
 
 
 def _first_cause(group: BaseExceptionGroup) -> BaseException:
@@ -279,6 +291,8 @@ def _keep_answer(record: dict[str, Any], line: dict[str, Any], counters: _Counte
         counters.completed += 1
     else:
         counters.failed += 1
+        if line["error"]["code"] in UNANSWERED_CODES:
+            counters.unanswered += 1
     result_log.append(data)
 
 
@@ -345,13 +359,13 @@ class _Sender:
         while True:
             # The hot path is two attribute checks; the waits are only for the rare cases.
             if self.cancel.cancelled:
-                return cancelled_line(custom_id, last)
+                return self._unanswered(custom_id, last)
             if health.is_open and not await self._wait_for_endpoint():
-                return stopped_line(custom_id, last, self.cancel.cancelled)
+                return self._unanswered(custom_id, last)
             if cfg.deadline is not None and time.time() >= cfg.deadline:
                 return expired_line(custom_id, last)
             if limiter is not None and not limiter.try_acquire() and not await self._wait_for_permit():
-                return stopped_line(custom_id, last, self.cancel.cancelled)
+                return self._unanswered(custom_id, last)
             attempts += 1
             # The request inline, not in a helper coroutine: this runs once per request. A
             # redirect is the endpoint's answer, never a place to send the body (and the key).
@@ -400,6 +414,11 @@ class _Sender:
             delay = backoff_delay(attempts, cfg.backoff_base_s, cfg.backoff_max_s, result.retry_after)
             remaining = self._until_deadline()
             await self._sleep_unless_cancelled(delay if remaining is None else min(delay, remaining))
+
+    def _unanswered(self, custom_id: str, last: Failure | None) -> dict[str, Any]:
+        """The line of a request a stop rule, a cancel or the deadline left unanswered."""
+        stop = self.cancel.stopped_by
+        return stopped_line(custom_id, last, self.cancel.cancelled, stop.rule if stop is not None else None)
 
     async def _wait_for_endpoint(self) -> bool:
         """Wait while the breaker is open; ``False`` when the deadline or a cancel came first."""

@@ -33,6 +33,7 @@ class ShardOutcome:
     paused_s: float = 0.0
     checkpoint_write_retries: int = 0
     cancelled: bool = False
+    stopped_by: str | None = None  # the stop rule that stopped the batch (batch/stop_rules.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

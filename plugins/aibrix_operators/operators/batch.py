@@ -48,6 +48,7 @@ from aibrix_operators.operators.step_errors import collect_step_errors, records_
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.lora import load_adapter_registry
+from aibrix_operators.settings.stop_rules import load_max_batch_tokens
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust.deployment import load_policy, resolve_inference
 from aibrix_operators.trust.policy import TrustPolicy, TrustViolation, describe
@@ -84,12 +85,15 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         keeps input order. (templated)
     :param job_pool: The batch's job-pool values (``batch/job_pool.py`` keys), checked against the
         deployment's ``pool_*`` limits before anything is read. (templated)
+    :param stop_rules: The batch's stop rules (``batch/stop_rules.py``: ``max_error_rate``,
+        ``error_rate_min_sample``, ``max_total_tokens``), checked against the deployment's
+        ``max_batch_tokens``; None: none. (templated)
     """
 
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
-        "endpoint", "inference_conn_id", "prefix_grouping", "job_pool",
+        "endpoint", "inference_conn_id", "prefix_grouping", "job_pool", "stop_rules",
     )
 
     def __init__(
@@ -109,10 +113,12 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         inference_conn_id: str | None = None,
         prefix_grouping: str = "auto",
         job_pool: dict[str, Any] | None = None,
+        stop_rules: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.job_pool = job_pool
+        self.stop_rules = stop_rules
         self.expected_model = expected_model
         # "auto": group requests with shared prefixes into shards (batch/prefixes.py); "off".
         self.prefix_grouping = prefix_grouping
@@ -176,7 +182,8 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             prefix_grouping=str(self.prefix_grouping or "auto"),
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
-            submitted_at=_submitted_at(context),
+            submitted_at=_submitted_at(context), stop_rules=self.stop_rules or None,
+            max_batch_tokens=load_max_batch_tokens(),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:

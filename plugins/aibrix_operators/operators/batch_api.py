@@ -29,7 +29,8 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from aibrix_operators.client.batch_client import TERMINAL, BatchClient
+from aibrix_operators.client.batch_client import TERMINAL, BatchClient, stop_rules_request
+from aibrix_operators.client.errors import StopRulesError
 from aibrix_operators.hooks.batch_api import DEFAULT_CONN_ID, BatchApiHook
 from aibrix_operators.hooks.batch_storage import UsesBatchStorage
 from aibrix_operators.trust.deployment import load_policy
@@ -61,6 +62,9 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
     :param completion_window: the batch's window, e.g. ``24h``. (templated)
     :param metadata: the batch's metadata (at most 15 pairs: the operator adds its key).
         (templated)
+    :param stop_rules: the batch's stop rules (``max_error_rate``, ``error_rate_min_sample``,
+        ``max_total_tokens``; docs/stop-rules.md), sent as the API's ``stop_rules`` extension: a
+        service without it ignores or refuses the field. (templated)
     :param batch_conn_id: the ``aibrix_batch`` connection (base URL and API key). Not templated:
         a run's params cannot point the task at another connection's key.
     :param aws_conn_id: the AWS connection that reads an ``s3://`` ``input_uri``.
@@ -72,7 +76,7 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
     """
 
     template_fields: Sequence[str] = ("input_file", "input_uri", "input_file_id", "endpoint", "model",
-                                      "completion_window", "metadata")
+                                      "completion_window", "metadata", "stop_rules")
     template_fields_renderers = {"metadata": "json"}
     ui_color = "#e8f0fe"
 
@@ -86,6 +90,7 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
         model: str | None = None,
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
+        stop_rules: dict[str, Any] | None = None,
         batch_conn_id: str = DEFAULT_CONN_ID,
         aws_conn_id: str | None = None,
         deferrable: bool = True,
@@ -104,6 +109,7 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
         self.model = model
         self.completion_window = completion_window
         self.metadata = metadata
+        self.stop_rules = stop_rules
         self.batch_conn_id = batch_conn_id
         self.aws_conn_id = aws_conn_id
         self.deferrable = deferrable
@@ -141,13 +147,17 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
 
     def _submit(self, client: BatchClient, key: str, idempotency_key: str) -> Any:
         metadata = {**(self.metadata or {}), TASK_KEY: key}
+        try:
+            stop_rules_request(self.stop_rules or None)
+        except StopRulesError as exc:  # the trigger's values: a retry would be refused the same
+            raise AirflowFailException(f"{self.task_id}: {exc}") from exc
         if len(metadata) > 16:
             raise AirflowFailException(f"{self.task_id}: metadata has {len(metadata) - 1} pairs; "
                                        "at most 15 (OpenAI's limit of 16, one is the operator's)")
         if self.input_file_id is not None:
             return client.create_batch(input_file_id=self.input_file_id, endpoint=self.endpoint,
                                        completion_window=self.completion_window, metadata=metadata,
-                                       idempotency_key=idempotency_key)
+                                       idempotency_key=idempotency_key, stop_rules=self.stop_rules or None)
         uri = self.input_uri if self.input_uri is not None else os.fspath(self.input_file)  # type: ignore[arg-type]
         param = "input_uri" if self.input_uri is not None else "input_file"
         try:
@@ -163,7 +173,7 @@ class AIBrixBatchOperator(UsesBatchStorage, BaseOperator):
                                                   purpose="batch")
         return client.create_batch(input_file_id=uploaded.id, endpoint=self.endpoint,
                                    completion_window=self.completion_window, metadata=metadata,
-                                   idempotency_key=idempotency_key)
+                                   idempotency_key=idempotency_key, stop_rules=self.stop_rules or None)
 
     # ------------------------------------------------------------------ finish
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:

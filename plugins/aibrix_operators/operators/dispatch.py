@@ -24,6 +24,7 @@ from aibrix_operators.batch.job import ValidatedBatch, cancel_marker_uri, work_p
 from aibrix_operators.batch.job_pool import JobPool
 from aibrix_operators.batch.shard_results import results_prefix
 from aibrix_operators.batch.sharding import ShardSpec
+from aibrix_operators.batch.stop_rules import StopRules, stop_prefix
 from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, salt_for_run
 from aibrix_operators.batch_api.tenant_salt import VARIABLE as SALT_KEY_VARIABLE
@@ -347,7 +348,8 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         try:
             # The same DriverConfig as a worker run, less the key (the pod's comes from its Secret).
             config = self._driver_config(target.endpoint, batch, cache_salt, capacity,
-                                         cancel_uri=cancel_marker_uri(work)).for_pod()
+                                         cancel_uri=cancel_marker_uri(work),
+                                         stop_prefix=stop_prefix(work)).for_pod()
         except ValueError as exc:
             raise AirflowFailException(str(exc)) from exc
         return DriverPodRequest(
@@ -365,7 +367,8 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         return DriverConfig(
             endpoint=endpoint, concurrency=int(self.concurrency), max_attempts=int(self.max_attempts),
             request_timeout_s=float(self.request_timeout_s), outage_budget_s=float(self.outage_budget_s),
-            deadline=float(batch.expires_at), cache_salt=cache_salt, capacity=capacity, **more,
+            deadline=float(batch.expires_at), cache_salt=cache_salt, capacity=capacity,
+            stop_rules=StopRules.from_dict(batch.stop_rules) if batch.stop_rules else None, **more,
         )
 
 

@@ -146,6 +146,12 @@ BATCH_PARAMS: dict[str, Param] = {
         description="Airflow connection for s3:// URIs; empty uses boto3's default credentials.",
     ),
     "metadata": Param({}, type="object", description="Free-form string pairs kept in batch.json."),
+    "stop_rules": Param(
+        {}, type="object",
+        description="Stop the batch early (docs/stop-rules.md): {\"max_error_rate\": 0.2} stops it once more "
+                    "than 20 % of at least error_rate_min_sample (default 100) answers are the requests' "
+                    "own errors; {\"max_total_tokens\": N} once it used N tokens. Empty: no rule.",
+    ),
 }
 
 
@@ -194,6 +200,7 @@ def add_batch_tasks(
         completion_window=a["completion_window"], metadata=a["metadata"], aws_conn_id=a["aws_conn_id"],
         endpoint=a["endpoint"], inference_conn_id=a["inference_conn_id"],
         prefix_grouping=a["prefix_grouping"], job_pool={k: a[k] for k in POOL_KEYS},
+        stop_rules=a["stop_rules"],
     )  # fmt: skip
     split = SplitBatchOperator(
         task_id=Step.SPLIT.value, validated=validate.output, requests_per_shard=a["requests_per_shard"],
