@@ -321,3 +321,15 @@ def storage_for(uri: str, s3_client: Any = None) -> Storage:
     if "://" in uri and not uri.startswith("file://"):
         raise StorageError(f"unsupported URI scheme in {uri!r}; use a local path or s3://bucket/key")
     return LocalStorage()
+
+
+def delete_object(storage: Storage, uri: str) -> None:
+    """Remove one object (a local file or an S3 object); a missing one is fine (idempotent)."""
+    if isinstance(storage, S3Storage):
+        bucket, key = split_s3_uri(uri)
+        storage.client.delete_object(Bucket=bucket, Key=key)
+        return
+    try:
+        os.unlink(uri[len("file://"):] if uri.startswith("file://") else uri)
+    except FileNotFoundError:
+        pass

@@ -19,7 +19,7 @@ from tests.images.containers import Detached, answers_200, inspect, last_error_l
 pytestmark = pytest.mark.e2e
 
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
-EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic"}
+EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic", "aibrix_output_cleanup"}
 # Which cluster policies Airflow registered, and whether it calls the mutation hook when a run's
 # task instances are created (it skips a hook it marks a no-op).
 POLICY_PROBE = (

@@ -34,6 +34,7 @@ from aibrix_operators.batch.failures import (
 from aibrix_operators.batch.grouped_split import split_grouped
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import BATCH_FILE, MergeSummary, merge_results
+from aibrix_operators.batch.output_expiry import parse_expires_after
 from aibrix_operators.batch.prefixes import (
     MAX_GROUPED_REQUESTS,
     PrefixSignatures,
@@ -109,6 +110,8 @@ class ValidatedBatch:
     adapters: list[str] = dataclasses.field(default_factory=list)
     # The batch's stop rules (batch/stop_rules.py, as checked by validate), or None for none.
     stop_rules: dict[str, Any] | None = None
+    # OpenAI's output_expires_after, in seconds from the output's creation; None: kept.
+    output_expires_after_s: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -137,6 +140,7 @@ def validate_batch(
     submitted_at: int | None = None,
     stop_rules: dict[str, Any] | None = None,
     max_batch_tokens: int | None = None,
+    output_expires_after: dict[str, Any] | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -167,6 +171,9 @@ def validate_batch(
     ``stop_rules``: the batch's (``batch/stop_rules.py``: ``max_error_rate``, ``error_rate_min_sample``,
     ``max_total_tokens``), checked here once, under the deployment's ``max_batch_tokens`` (a batch
     without a budget gets it); a bad one fails the batch with ``invalid_stop_rules``.
+
+    ``output_expires_after``: OpenAI's ``{"anchor": "created_at", "seconds": N}``
+    (batch/output_expiry.py); a bad one fails the batch with ``invalid_output_expires_after``.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -191,6 +198,11 @@ def validate_batch(
         rules = StopRules.from_dict(stop_rules).within(max_batch_tokens)
     except (ValueError, TypeError) as exc:
         report.add_error(None, ValidationCode.INVALID_STOP_RULES, str(exc), "stop_rules")
+    expires_after_s: int | None = None
+    try:
+        expires_after_s = parse_expires_after(output_expires_after)
+    except ValueError as exc:
+        report.add_error(None, ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER, str(exc), "output_expires_after")
     # The run's work prefix is the parent of its prefix-order file (the operator names it): keys
     # too long for S3 fail the batch now, not in dispatch once the work is done.
     too_long = output_key_problem(prefix_order_uri.rsplit("/", 1)[0]) if prefix_order_uri else None
@@ -254,6 +266,7 @@ def validate_batch(
         prefix_order_uri=order_uri, prefix_groups=groups, prefix_shared_requests=shared,
         adapters=list(report.adapter_counts),
         stop_rules=rules.as_dict() if rules is not None and rules.active else None,
+        output_expires_after_s=expires_after_s,
     )
 
 
@@ -331,9 +344,15 @@ def finalize_batch(
         request_counts={"total": summary.total, "completed": summary.completed, "failed": summary.failed},
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
         aibrix_unanswered=unanswered if stopped or cancelled or expired else None,
+        aibrix_output_expires_at=_output_expiry(ended, batch),
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj
+
+
+def _output_expiry(ended: int, batch: ValidatedBatch) -> int | None:
+    """When the batch's output files (created now, at ``ended``) expire, if it asked."""
+    return ended + batch.output_expires_after_s if batch.output_expires_after_s else None
 
 
 def _stop_reason(storage: Storage, work: str) -> StopReason | None:

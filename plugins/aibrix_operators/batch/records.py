@@ -207,6 +207,9 @@ class BatchObject:
     # of request_counts.failed, the requests left unanswered (error code batch_cancelled /
     # batch_expired), so such a batch does not read as a mass failure.
     aibrix_unanswered: int | None = None
+    # Extension, only on a batch that asked for output_expires_after: when its output and error
+    # files expire (their creation, merge's end, plus the seconds asked; batch/output_expiry.py).
+    aibrix_output_expires_at: int | None = None
 
     def __post_init__(self) -> None:
         # A plain str: the object goes to XCom and JSON, which need not know the enum.
@@ -215,7 +218,7 @@ class BatchObject:
     def as_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "object": "batch"}
         out.update({k: v for k, v in self.__dict__.items()
-                    if k != "id" and not (k == "aibrix_unanswered" and v is None)})
+                    if k != "id" and not (k.startswith("aibrix_") and v is None)})
         return out
 
 

@@ -31,6 +31,7 @@ from aibrix_operators.batch_api.batches import (
     API_CONF_KEY,
     check_endpoint,
     check_metadata,
+    check_output_expires_after,
     check_pool,
     check_stop_rules,
     check_window,
@@ -40,6 +41,7 @@ from aibrix_operators.batch_api.batches import (
     route_for,
 )
 from aibrix_operators.batch_api.errors import ApiError, bad_request, error_body, not_found
+from aibrix_operators.batch_api.extensions import OUTPUT_EXPIRES_AT
 from aibrix_operators.batch_api.files import FileStore, StoredFile
 from aibrix_operators.batch_api.ids import (
     BATCH_ID_RE,
@@ -226,6 +228,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         metadata = check_metadata(body.metadata)
         pool_params = check_pool(body.pool, ctx.settings.pool_limits)
         stop_rules = check_stop_rules(body.stop_rules, ctx.settings.max_batch_tokens)
+        expires_after = check_output_expires_after(body.output_expires_after, ctx.settings.expiry_root)
         file_id = check_file_id(body.input_file_id, "input_file_id")
         try:
             stored = ctx.files.get(tenant, file_id)
@@ -244,7 +247,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         created_at = int(time.time())
         conf = dag_conf(ctx.settings, tenant, batch_id, file_id, stored.content_uri, endpoint,
                         body.completion_window, metadata, model, route, created_at, digest,
-                        ctx.cache_salt_claim(run_id, tenant), pool_params, stop_rules)
+                        ctx.cache_salt_claim(run_id, tenant), pool_params, stop_rules, expires_after)
         row, created = ctx.runs.trigger(run_id, conf, created_at)
         if not created and row.conf.get(API_CONF_KEY, {}).get("digest") != digest:
             raise ApiError(409, "this Idempotency-Key was used for a different request",
@@ -368,11 +371,14 @@ def _present(ctx: ApiContext, tenant: str, snap: Any) -> dict[str, Any]:
     # in the Airflow UI, for the people who follow a batch there.
     obj["monitor_url"] = ctx.settings.monitor_url(run_id_for(tenant, snap.batch_id))
     if obj["status"] in TERMINAL:
-        _register_outputs(ctx, tenant, snap.batch_id, str(snap.conf.get("output_uri", "")), obj)
+        expires_at = (snap.batch_json or {}).get(OUTPUT_EXPIRES_AT)
+        _register_outputs(ctx, tenant, snap.batch_id, str(snap.conf.get("output_uri", "")), obj,
+                          expires_at if isinstance(expires_at, int) else None)
     return obj
 
 
-def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, obj: dict[str, Any]) -> None:
+def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, obj: dict[str, Any],
+                      expires_at: int | None = None) -> None:
     """Make the batch's output/error files visible as files (once; idempotent)."""
     for kind, name in (("output", "output.jsonl"), ("errors", "errors.jsonl")):
         file_id = output_file_id(batch_id, kind)
@@ -391,5 +397,5 @@ def _register_outputs(ctx: ApiContext, tenant: str, batch_id: str, output: str, 
         ctx.files.save_meta(tenant, StoredFile(
             id=file_id, bytes=size, created_at=int(obj.get("completed_at") or obj.get("cancelled_at")
                                                    or obj.get("expired_at") or time.time()),
-            filename=f"{batch_id}_{name}", purpose="batch_output", content_uri=uri))
+            filename=f"{batch_id}_{name}", purpose="batch_output", content_uri=uri, expires_at=expires_at))
         ctx.registered.add((tenant, file_id))

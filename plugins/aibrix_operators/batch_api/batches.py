@@ -15,6 +15,7 @@ from typing import Any
 
 from aibrix_operators.batch.error_codes import BatchFailure, ValidationCode
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError, JobPoolLimits, PoolLimitExceeded
+from aibrix_operators.batch.output_expiry import ANCHOR, parse_expires_after
 from aibrix_operators.batch.records import (
     DEFAULT_MIN_COMPLETION_WINDOW,
     SUPPORTED_ENDPOINTS,
@@ -111,6 +112,24 @@ def check_stop_rules(rules: Any, max_batch_tokens: int | None) -> dict[str, Any]
     return checked.as_dict() if checked.active else None
 
 
+def check_output_expires_after(value: Any, expiry_root: str | None) -> dict[str, Any] | None:
+    """A create request's ``output_expires_after`` (OpenAI's shape and bounds), or None; 400
+    ``invalid_output_expires_after`` for another, or when the deployment deletes no outputs
+    (no ``[aibrix_batch] expiry_root``): a promise to delete must not be accepted and not kept."""
+    try:
+        seconds = parse_expires_after(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), "output_expires_after",
+                          ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER) from None
+    if seconds is None:
+        return None
+    if not expiry_root:
+        raise bad_request("this deployment does not delete outputs ([aibrix_batch] expiry_root is not set); "
+                          "leave output_expires_after out", "output_expires_after",
+                          ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER)
+    return {"anchor": ANCHOR, "seconds": seconds}
+
+
 def check_endpoint(endpoint: str) -> str:
     if endpoint not in SUPPORTED_ENDPOINTS:
         raise bad_request(f"endpoint must be one of {list(SUPPORTED_ENDPOINTS)}", "endpoint",
@@ -162,6 +181,7 @@ def dag_conf(
     endpoint: str, window: str, metadata: dict[str, str], model: str | None, route: ModelRoute,
     created_at: int, digest: str, salt_claim: dict[str, str] | None = None,
     pool_params: dict[str, Any] | None = None, stop_rules: dict[str, Any] | None = None,
+    output_expires_after: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     conf: dict[str, Any] = {
         **settings.dag_conf,
@@ -174,6 +194,7 @@ def dag_conf(
         "completion_window": window,
         "metadata": metadata,
         "stop_rules": stop_rules or {},
+        "output_expires_after": output_expires_after,
         "aws_conn_id": settings.aws_conn_id,
         **route.dag_params(),
         # No salt in the conf (anyone who may read the run would see it): a claim the dispatch

@@ -14,7 +14,6 @@ client text can point outside the tenant's prefix; a meta object whose
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 
 from aibrix_operators.batch_api.errors import ApiError, not_found
 from aibrix_operators.batch_api.ids import check_file_id, check_tenant
-from aibrix_operators.storage import S3Storage, Storage, StorageError, join_uri, split_s3_uri
+from aibrix_operators.storage import Storage, StorageError, delete_object, join_uri
 
 META_SUFFIX = ".json"
 CONTENT_SUFFIX = ".jsonl"
@@ -47,11 +46,17 @@ class StoredFile:
     filename: str
     purpose: str
     content_uri: str
+    # A batch output that expires (output_expires_after, batch/output_expiry.py): from then on the
+    # file is gone for the API (404), whether or not the cleanup task has deleted its bytes yet.
+    expires_at: int | None = None
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": self.expires_at, "status_details": None}
+
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= time.time()
 
 
 class FileStore:
@@ -79,7 +84,7 @@ class FileStore:
         except StorageError:
             raise not_found("file", file_id) from None
         stored = StoredFile(**data)
-        if not self._inside(tenant, stored.content_uri):
+        if not self._inside(tenant, stored.content_uri) or stored.expired():
             raise not_found("file", file_id)
         return stored
 
@@ -136,18 +141,6 @@ class FileStore:
     def _check_inside(self, tenant: str, uri: str) -> None:
         if not self._inside(tenant, uri):
             raise ValueError(f"{uri} is outside tenant {tenant}'s prefix")
-
-
-def delete_object(storage: Storage, uri: str) -> None:
-    """Remove one object; a missing one is fine (delete is idempotent)."""
-    if isinstance(storage, S3Storage):
-        bucket, key = split_s3_uri(uri)
-        storage.client.delete_object(Bucket=bucket, Key=key)
-        return
-    try:
-        os.unlink(uri[len("file://"):] if uri.startswith("file://") else uri)
-    except FileNotFoundError:
-        pass
 
 
 def now() -> int:

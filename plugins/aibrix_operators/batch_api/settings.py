@@ -74,6 +74,9 @@ class ApiSettings:
     # The largest token budget a batch may set ([aibrix_batch] max_batch_tokens, the same key the
     # DAG's validate step applies; settings/stop_rules.py); None: no limit.
     max_batch_tokens: int | None = None
+    # The deployment's expiry index ([aibrix_batch] expiry_root, settings/locations.py); None: this
+    # deployment deletes no outputs, and a batch asking for output_expires_after is refused.
+    expiry_root: str | None = None
 
     def monitor_url(self, run_id: str) -> str | None:
         """The Airflow UI page of the batch's run (its grid view): ``{base}/dags/{dag}/runs/{run}``,
@@ -124,4 +127,5 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
         pool_limits=job_pool_limits(get),
         min_window_s=min_completion_window_s(get),
         max_batch_tokens=parse_max_batch_tokens(get("max_batch_tokens")),
+        expiry_root=(get("expiry_root") or "").strip() or None,
     )

@@ -11,7 +11,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from aibrix_operators.batch.deadline import submitted_at
-from aibrix_operators.batch.error_codes import BatchFailure
+from aibrix_operators.batch.error_codes import BatchFailure, ValidationCode
 from aibrix_operators.batch.failures import (
     FailureRecord,
     error_list,
@@ -31,6 +31,7 @@ from aibrix_operators.batch.job import (
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
+from aibrix_operators.batch.output_expiry import ExpiryRecord, expiring_uris, write_record
 from aibrix_operators.batch.records import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MAX_FILE_BYTES,
@@ -40,13 +41,14 @@ from aibrix_operators.batch.records import (
 )
 from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
-from aibrix_operators.hooks.batch_storage import UsesBatchStorage
+from aibrix_operators.hooks.batch_storage import BatchStorageHook, UsesBatchStorage
 from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
+from aibrix_operators.settings.locations import LocationNotSet, expiry_aws_conn_id, expiry_root
 from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.settings.stop_rules import load_max_batch_tokens
 from aibrix_operators.storage import Storage
@@ -88,12 +90,15 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
     :param stop_rules: The batch's stop rules (``batch/stop_rules.py``: ``max_error_rate``,
         ``error_rate_min_sample``, ``max_total_tokens``), checked against the deployment's
         ``max_batch_tokens``; None: none. (templated)
+    :param output_expires_after: OpenAI's ``{"anchor": "created_at", "seconds": N}``: the output
+        and error files are deleted N seconds after merge writes them (batch/output_expiry.py);
+        None: kept. (templated)
     """
 
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
-        "endpoint", "inference_conn_id", "prefix_grouping", "job_pool", "stop_rules",
+        "endpoint", "inference_conn_id", "prefix_grouping", "job_pool", "stop_rules", "output_expires_after",
     )
 
     def __init__(
@@ -114,11 +119,13 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         prefix_grouping: str = "auto",
         job_pool: dict[str, Any] | None = None,
         stop_rules: dict[str, Any] | None = None,
+        output_expires_after: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.job_pool = job_pool
         self.stop_rules = stop_rules
+        self.output_expires_after = output_expires_after
         self.expected_model = expected_model
         # "auto": group requests with shared prefixes into shards (batch/prefixes.py); "off".
         self.prefix_grouping = prefix_grouping
@@ -166,6 +173,12 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             self._fail(context, batch_id, metadata, BatchFailure.INVALID_OUTPUT_URI,
                        f"input {self.input_uri} and output {self.output_uri} must be on the same kind "
                        "of storage (both local or both s3://)", None, out_storage)
+        if self.output_expires_after:
+            try:
+                expiry_root()
+            except LocationNotSet as exc:
+                self._fail(context, batch_id, metadata, ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER,
+                           f"this deployment deletes no outputs: {exc}", output_refusal, out_storage)
         try:
             adapters = load_adapter_registry()
         except AdapterRegistryError as exc:
@@ -183,7 +196,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             prefix_order_uri=prefix_order_uri(work_prefix(self.output_uri, context["run_id"])),
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
             submitted_at=_submitted_at(context), stop_rules=self.stop_rules or None,
-            max_batch_tokens=load_max_batch_tokens(),
+            max_batch_tokens=load_max_batch_tokens(), output_expires_after=self.output_expires_after or None,
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
@@ -343,6 +356,12 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
             summary.usage.input_tokens, summary.usage.output_tokens, wall, counts["total"] / wall,
             batch.output_uri,
         )
+        if obj.aibrix_output_expires_at is not None:
+            index = BatchStorageHook(expiry_aws_conn_id())
+            record = ExpiryRecord(obj.id, obj.aibrix_output_expires_at, expiring_uris(batch.output_uri),
+                                  self.aws_conn_id or None)
+            where = write_record(index.storage_for(expiry_root()), expiry_root(), record)
+            log.info("the output files expire at %d; recorded in %s", record.expires_at, where)
         batch_published(batch.batch_id, phase=obj.status, completed=counts["completed"],
                         failed=counts["failed"], shards_done=len(shards))
         result = obj.as_dict()

@@ -152,6 +152,11 @@ BATCH_PARAMS: dict[str, Param] = {
                     "than 20 % of at least error_rate_min_sample (default 100) answers are the requests' "
                     "own errors; {\"max_total_tokens\": N} once it used N tokens. Empty: no rule.",
     ),
+    "output_expires_after": Param(
+        None, type=["null", "object"],
+        description="OpenAI's {\"anchor\": \"created_at\", \"seconds\": N} (3600 to 2592000): the output "
+                    "and error files are deleted N seconds after they are written. Empty: kept.",
+    ),
 }
 
 
@@ -200,7 +205,7 @@ def add_batch_tasks(
         completion_window=a["completion_window"], metadata=a["metadata"], aws_conn_id=a["aws_conn_id"],
         endpoint=a["endpoint"], inference_conn_id=a["inference_conn_id"],
         prefix_grouping=a["prefix_grouping"], job_pool={k: a[k] for k in POOL_KEYS},
-        stop_rules=a["stop_rules"],
+        stop_rules=a["stop_rules"], output_expires_after=a["output_expires_after"],
     )  # fmt: skip
     split = SplitBatchOperator(
         task_id=Step.SPLIT.value, validated=validate.output, requests_per_shard=a["requests_per_shard"],

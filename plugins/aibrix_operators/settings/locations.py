@@ -14,7 +14,9 @@ Local development (``make run``, the tests) sets them all to folders under ``.wo
 * ``eval_report_root``: the nightly eval's plans, reports and history when a run names no
   ``report_uri``;
 * ``lora_cache_dir``: the node-local folder adapters are fetched into (per node by design: each
-  node verifies what it loads).
+  node verifies what it loads);
+* ``expiry_root`` (and ``expiry_aws_conn_id`` for an ``s3://`` one): the index of outputs that
+  expire (``batch/output_expiry.py``), needed only by batches that ask for ``output_expires_after``.
 """
 
 from __future__ import annotations
@@ -69,3 +71,12 @@ def eval_report_root() -> str:
 
 def lora_cache_dir() -> Path:
     return Path(required("lora_cache_dir", "the node-local folder LoRA adapters are fetched into"))
+
+
+def expiry_root() -> str:
+    return required("expiry_root", "where merge records outputs that expire (output_expires_after)")
+
+
+def expiry_aws_conn_id() -> str | None:
+    """The connection that reads and writes an ``s3://`` ``expiry_root``; None: boto3's defaults."""
+    return configured("expiry_aws_conn_id")
