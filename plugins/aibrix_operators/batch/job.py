@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from aibrix_operators.batch.cost import Prices, cost_line
 from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
 from aibrix_operators.batch.error_codes import BatchFailure, RequestError, ValidationCode
@@ -306,6 +307,7 @@ def finalize_batch(
     shards: list[ShardSpec],
     work: str,
     in_progress_at: int | None = None,
+    prices: Prices | None = None,
 ) -> tuple[MergeSummary, BatchObject]:
     """Merge every shard's results and publish ``batch.json``.
 
@@ -345,6 +347,7 @@ def finalize_batch(
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
         aibrix_unanswered=unanswered if stopped or cancelled or expired else None,
         aibrix_output_expires_at=_output_expiry(ended, batch),
+        aibrix_cost=cost_line(summary.usage.as_dict(), prices),
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj

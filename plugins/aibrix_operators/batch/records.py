@@ -210,6 +210,8 @@ class BatchObject:
     # Extension, only on a batch that asked for output_expires_after: when its output and error
     # files expire (their creation, merge's end, plus the seconds asked; batch/output_expiry.py).
     aibrix_output_expires_at: int | None = None
+    # Extension, on a deployment that sets prices: what the batch cost (batch/cost.py's cost line).
+    aibrix_cost: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # A plain str: the object goes to XCom and JSON, which need not know the enum.

@@ -354,7 +354,7 @@ def _partial_output(ctx: ApiContext, tenant: str, batch_id: str, file_id: str) -
     if row is None:
         raise not_found("file", file_id)
     snap = ctx.runs.snapshots([row])[0]
-    if batch_object(snap)[PARTIAL_OUTPUT_KEY] != file_id:
+    if batch_object(snap, prices=ctx.settings.prices)[PARTIAL_OUTPUT_KEY] != file_id:
         raise ApiError(404, f"batch {batch_id} has no partial output now: it has ended (read its "
                             "output_file_id) or none of its shards has finished yet",
                        "partial_output_unavailable", "file_id")
@@ -366,7 +366,7 @@ def _view(ctx: ApiContext, tenant: str, row: RunRow) -> dict[str, Any]:
 
 
 def _present(ctx: ApiContext, tenant: str, snap: Any) -> dict[str, Any]:
-    obj = batch_object(snap)
+    obj = batch_object(snap, prices=ctx.settings.prices)
     # An extra field beside OpenAI's (the SDK keeps extras: batch.monitor_url): the run's page
     # in the Airflow UI, for the people who follow a batch there.
     obj["monitor_url"] = ctx.settings.monitor_url(run_id_for(tenant, snap.batch_id))

@@ -11,6 +11,9 @@ UNANSWERED = "aibrix_unanswered"
 PARTIAL_OUTPUT_FILE_ID = "aibrix_partial_output_file_id"
 # While in progress: {"total": shards, "done": shards finished}.
 SHARDS = "aibrix_shards"
+# On a deployment that sets prices ([aibrix_batch] prices): what the batch cost (batch/cost.py), from its
+# usage so far while it runs, batch.json's at the end.
+COST = "aibrix_cost"
 # In batch.json (not the API's batch object): when the output and error files expire, for a batch
 # that asked for output_expires_after; the files API shows it as their expires_at.
 OUTPUT_EXPIRES_AT = "aibrix_output_expires_at"

@@ -107,6 +107,8 @@ class Batch(BaseModel):
     # grows as shards finish), and the shards done of all; null before the first and at the end.
     aibrix_partial_output_file_id: str | None = None
     aibrix_shards: ShardProgress | None = None
+    # Not OpenAI's: with deployment prices, the cost so far / in the end (docs/batch-api.md).
+    aibrix_cost: dict[str, Any] | None = None
 
 
 class BatchList(BaseModel):

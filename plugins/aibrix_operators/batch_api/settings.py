@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from aibrix_operators.batch.cost import Prices, parse_prices
 from aibrix_operators.batch.job_pool import JobPoolLimits
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
@@ -77,6 +78,8 @@ class ApiSettings:
     # The deployment's expiry index ([aibrix_batch] expiry_root, settings/locations.py); None: this
     # deployment deletes no outputs, and a batch asking for output_expires_after is refused.
     expiry_root: str | None = None
+    # The deployment's prices ([aibrix_batch] prices, batch/cost.py); None: no cost lines.
+    prices: Prices | None = None
 
     def monitor_url(self, run_id: str) -> str | None:
         """The Airflow UI page of the batch's run (its grid view): ``{base}/dags/{dag}/runs/{run}``,
@@ -128,4 +131,5 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
         min_window_s=min_completion_window_s(get),
         max_batch_tokens=parse_max_batch_tokens(get("max_batch_tokens")),
         expiry_root=(get("expiry_root") or "").strip() or None,
+        prices=parse_prices(get("prices")),
     )

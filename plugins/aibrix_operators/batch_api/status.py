@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from aibrix_operators.batch.cost import Prices, cost_line
 from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import BatchFailure
 from aibrix_operators.batch.lifecycle import (
@@ -38,13 +39,14 @@ SHARDS_KEY = extensions.SHARDS
 PARTIAL_KIND = "partial"  # the partial output's file id: output_file_id(batch, PARTIAL_KIND)
 
 
-def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
+def batch_object(snap: RunSnapshot, now: float | None = None, prices: Prices | None = None) -> dict[str, Any]:
     """The Batch object, OpenAI's fields in OpenAI's order; ids are the API's, never URIs.
 
     ``metadata`` is the client's, as sent. While the batch is in progress, the extension field
     ``aibrix_status`` says whether it will finish in its window at the rate measured so far
     (``batch/window_outlook.py``, the same judgement as the drivers' AT RISK lines, over the whole
-    batch); null otherwise."""
+    batch); null otherwise. With the deployment's ``prices``, ``aibrix_cost`` is what the answers so
+    far cost, and ``batch.json``'s line once it ended."""
     api = snap.conf.get(API_CONF_KEY, {})
     published = snap.batch_json or {}
     status = batch_status(snap)
@@ -117,6 +119,8 @@ def batch_object(snap: RunSnapshot, now: float | None = None) -> dict[str, Any]:
         if snap.shards_done and status not in TERMINAL else None,
         SHARDS_KEY: {"total": snap.shard_count, "done": len(snap.shards_done)}
         if snap.shard_count is not None and status not in TERMINAL else None,
+        extensions.COST: published.get(extensions.COST) if status in TERMINAL
+        else cost_line(snap.live_usage, prices),
     }
 
 

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from aibrix_operators.batch.cost import describe as describe_cost
 from aibrix_operators.batch.error_codes import RequestError
+from aibrix_operators.batch.lifecycle import TERMINAL as ENDED
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.batch_api import extensions
@@ -168,6 +170,13 @@ def describe_batch(batch: Any) -> str:
                  f"input {batch.input_file_id}")
     if batch.metadata:
         lines.append("  metadata   " + ", ".join(f"{k}={v}" for k, v in batch.metadata.items()))
+    usage = getattr(batch, "usage", None)
+    if usage is not None:
+        cached = usage.input_tokens_details.cached_tokens if usage.input_tokens_details else 0
+        lines.append(f"  usage      {usage.input_tokens} input ({cached} cached) + {usage.output_tokens} "
+                     f"output tokens{'' if batch.status in ENDED else ' so far'}")
+    if cost := describe_cost((batch.model_extra or {}).get(extensions.COST)):
+        lines.append(f"  cost       {cost}{'' if batch.status in ENDED else ' so far'}")
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:5]:
         where = f" line {error.line}" if error.line else ""
         lines.append(f"  error      {error.code}{where}: {' '.join(str(error.message or '').split())[:200]}")

@@ -9,6 +9,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
+from aibrix_operators.batch.cost import describe as describe_cost
 from aibrix_operators.evaluation.history import Night
 from aibrix_operators.evaluation.scoring import ItemResult
 from aibrix_operators.evaluation.stats import Comparison, Interval
@@ -29,6 +30,9 @@ class ReportData:
     min_score: float | None = None
     # The night's model and the LoRA adapters evaluated beside it, when the suite has adapters.
     models: list[ModelRow] = field(default_factory=list)
+    # The night's batch: its usage (OpenAI's shape) and, with deployment prices, its cost line.
+    usage: dict[str, Any] | None = None
+    cost: dict[str, Any] | None = None
 
     @property
     def regression(self) -> bool:
@@ -136,6 +140,7 @@ def render_markdown(data: ReportData) -> str:
     lines = [f"# Eval `{data.suite}` — {data.date}", "",
              f"Model `{data.model}`, scorer `{data.scorer}`, {iv.n} items, "
              f"{data.failed_requests} without an answer. Verdict: **{verdict}**", "",
+             *([f"The night's batch: {_spend(data)}", ""] if data.usage else []),
              "| score | 95% CI | vs | reference | delta | regression | why |",
              "|---|---|---|---|---|---|---|"]
     if not data.comparisons:
@@ -159,6 +164,16 @@ def render_markdown(data: ReportData) -> str:
                          f"{_md(it['now'] if it['now'] is not None else it['error'])} |")
     lines += ["", "## Trend", "", "![trend](trend.png)", ""]
     return "\n".join(lines)
+
+
+def _spend(data: ReportData) -> str:
+    """The batch's tokens, and its cost where the deployment sets prices."""
+    usage = data.usage or {}
+    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+    tokens = (f"{usage.get('input_tokens', 0)} input tokens ({cached} cached), "
+              f"{usage.get('output_tokens', 0)} output tokens")
+    cost = describe_cost(data.cost)
+    return f"{tokens}; cost {cost}" if cost else f"{tokens} (no prices set: no cost)"
 
 
 def _md(value: Any) -> str:
@@ -210,6 +225,7 @@ th{{background:#f3f3f3}}tr.bad td{{background:#fde2e2}}tr.up td{{background:#e6f
 <h1>Eval <code>{_h(data.suite)}</code> — {_h(data.date)}</h1>
 <p>Model <code>{_h(data.model)}</code>, scorer <code>{_h(data.scorer)}</code>, {iv.n} items,
 {data.failed_requests} without an answer. Verdict: <span class="verdict v-{verdict}">{verdict}</span></p>
+{f"<p>The night's batch: {_h(_spend(data))}</p>" if data.usage else ""}
 <table><tr><th>score</th><th>{iv.confidence:.0%} CI</th><th>vs</th><th>reference</th><th>delta</th>
 <th>regression</th><th>why</th></tr>{''.join(rows)}</table>
 {side_html}

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aibrix_operators.batch.merging import BATCH_FILE
 from aibrix_operators.evaluation import metrics as eval_metrics
 from aibrix_operators.evaluation.history import (
     Night,
@@ -136,11 +137,19 @@ def evaluate(suite: Suite, plan: NightPlan, storage: Storage, run_id: str = "") 
         "run_id": run_id,
         "thresholds": {"max_drop": suite.thresholds.max_drop, "min_score": suite.thresholds.min_score},
         "evaluated_at": int(time.time()), "metrics_pushed": primary["metrics_pushed"],
+        # What the night's batch used and, with the deployment's prices, cost (its batch.json).
+        **_spend(storage, plan),
     }
     if len(models) > 1:
         summary["models"] = per_model
     storage.write_bytes(join_uri(plan.prefix, "summary.json"), json.dumps(summary, indent=2).encode())
     return summary
+
+
+def _spend(storage: Storage, plan: NightPlan) -> dict[str, Any]:
+    uri = join_uri(plan.batch_output, BATCH_FILE)
+    published = json.loads(storage.read_bytes(uri)) if storage.exists(uri) else {}
+    return {"usage": published.get("usage"), "cost": published.get("aibrix_cost")}
 
 
 def report(suite: Suite, plan: NightPlan, storage: Storage) -> dict[str, Any]:
@@ -166,6 +175,7 @@ def report(suite: Suite, plan: NightPlan, storage: Storage) -> dict[str, Any]:
         models=[ModelRow(model, Interval(**judged["interval"]),
                          [Comparison(**c) for c in judged["comparisons"]], model != plan.model)
                 for model, judged in (summary.get("models") or {}).items()],
+        usage=summary.get("usage"), cost=summary.get("cost"),
     )
     png = trend_png(data.history)
     storage.write_bytes(join_uri(plan.prefix, "trend.png"), png)

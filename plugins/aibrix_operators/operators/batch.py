@@ -50,6 +50,7 @@ from aibrix_operators.settings.completion_window import load_min_completion_wind
 from aibrix_operators.settings.job_pool import load_job_pool_limits
 from aibrix_operators.settings.locations import LocationNotSet, expiry_aws_conn_id, expiry_root
 from aibrix_operators.settings.lora import load_adapter_registry
+from aibrix_operators.settings.prices import load_prices
 from aibrix_operators.settings.stop_rules import load_max_batch_tokens
 from aibrix_operators.storage import Storage
 from aibrix_operators.trust.deployment import load_policy, resolve_inference
@@ -344,7 +345,8 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
         started = min((o.get("started_at", batch.created_at) for o in outcomes), default=None)
         batch_published(batch.batch_id, phase=BatchStatus.FINALIZING, shards_done=len(outcomes))
         try:
-            summary, obj = finalize_batch(storage, batch, shards, work, in_progress_at=started)
+            summary, obj = finalize_batch(storage, batch, shards, work, in_progress_at=started,
+                                          prices=load_prices())
         except ExactlyOnceViolation as exc:
             raise AirflowFailException(f"exactly-once check failed: {exc}") from exc
         wall = max(time.time() - batch.created_at, 1e-9)
