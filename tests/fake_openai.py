@@ -22,7 +22,8 @@ process::
 (``start()``/``stop()``) or in the running loop (``await astart()``/``await aclose()``; set ``port``
 first to serve on a given one). It serves ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings`` (and ``/v1/responses``, ``/v1/score``, ``/v1/rerank`` with a chat answer),
-``/v1/models`` (``models``), ``/health`` and ``/metrics`` (vLLM's load gauges, settable), and
+``/v1/models`` (``models``), ``/health`` and ``/metrics`` (vLLM's load gauges, settable, and
+its token counters, ``served``), and
 misbehaves as asked. A request's ``cid`` (the body's
 ``cid``, else ``custom_id`` in its ``metadata``) names it; attempts are counted per cid. The plan of
 actions, one per attempt (the last repeats), is the body's ``fault`` list, else ``plans[cid]``,
@@ -359,6 +360,8 @@ class FakeOpenAI:
         self.storm: int | None = None  # set to 503 (say): every request gets that status
         self.healthy = True
         self.gauges = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+        # vLLM's token counters: what every answer with usage served (prompt, generation).
+        self.served = [0, 0]
         # OpenAI's Files and Batches API, answered with this fake's answers. Imported here: run as
         # a script (the RawStub), tests/ is not a package on the path.
         from tests.fake_openai_batches import BatchService
@@ -465,7 +468,19 @@ class FakeOpenAI:
         return web.Response(status=200 if self.healthy and self.storm is None else 503)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text=vllm_gauges(**self.gauges, model=self.model), content_type="text/plain")
+        labels = f'{{model_name="{self.model}"}}'
+        counters = (f"vllm:prompt_tokens_total{labels} {float(self.served[0])}\n"
+                    f"vllm:generation_tokens_total{labels} {float(self.served[1])}\n")
+        return web.Response(text=vllm_gauges(**self.gauges, model=self.model) + counters,
+                            content_type="text/plain")
+
+    def _count_served(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """Count an answer's tokens as vLLM's counters do."""
+        usage = answer.get("usage") or {}
+        with self.lock:
+            self.served[0] += int(usage.get("prompt_tokens") or 0)
+            self.served[1] += int(usage.get("completion_tokens") or 0)
+        return answer
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.inflight += 1  # the handler runs on the server's single loop thread
@@ -501,7 +516,7 @@ class FakeOpenAI:
         if body.get("max_tokens") == 1:  # the driver's health probe replaying an answered request
             with self.lock:
                 self.canaries += 1
-            return web.json_response(answer_for(request.path, cid, 0, model))
+            return web.json_response(self._count_served(answer_for(request.path, cid, 0, model)))
         with self.lock:
             self.attempts[cid].append(time.monotonic())
             attempt = len(self.attempts[cid])
@@ -517,7 +532,8 @@ class FakeOpenAI:
             name = "ok"
         rid = {"x-request-id": f"rq-{cid}-{attempt}"}
         if name == "ok":
-            response = web.json_response(answer_for(request.path, cid, attempt, model), headers=rid)
+            answer = self._count_served(answer_for(request.path, cid, attempt, model))
+            response = web.json_response(answer, headers=rid)
             await response.prepare(request)
             await response.write_eof()
             with self.lock:

@@ -308,6 +308,7 @@ def finalize_batch(
     work: str,
     in_progress_at: int | None = None,
     prices: Prices | None = None,
+    engine_s: float | None = None,
 ) -> tuple[MergeSummary, BatchObject]:
     """Merge every shard's results and publish ``batch.json``.
 
@@ -347,7 +348,8 @@ def finalize_batch(
         usage=summary.usage.as_dict(), metadata=batch.metadata or None,
         aibrix_unanswered=unanswered if stopped or cancelled or expired else None,
         aibrix_output_expires_at=_output_expiry(ended, batch),
-        aibrix_cost=cost_line(summary.usage.as_dict(), prices),
+        aibrix_cost=cost_line(summary.usage.as_dict(), prices, engine_s),
+        aibrix_engine_s=engine_s,
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj

@@ -212,6 +212,9 @@ class BatchObject:
     aibrix_output_expires_at: int | None = None
     # Extension, on a deployment that sets prices: what the batch cost (batch/cost.py's cost line).
     aibrix_cost: dict[str, Any] | None = None
+    # Extension: the engine time the batch used, summed over its shards' runs (driver/engine_time.py);
+    # None when an endpoint did not report its token counters.
+    aibrix_engine_s: float | None = None
 
     def __post_init__(self) -> None:
         # A plain str: the object goes to XCom and JSON, which need not know the enum.

@@ -23,6 +23,10 @@ ROUTER_INFLIGHT = "aibrix_router_inflight_requests"
 # A vLLM server with the online-first middleware (serving/online_first.py) holds requests beyond
 # --max-num-seqs itself, so vLLM's own waiting gauge no longer shows them: its count does.
 SERVER_ONLINE_WAITING = "aibrix_online_first_waiting_requests"
+# The tokens the engine has served (counters): a shard's share of them is its share of the engine's
+# time (driver/engine_time.py).
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class MetricsPage:
     preemptions: float | None = None
     router_online_waiting: float | None = None  # the router's, or the online-first server's
     router_inflight: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
 
     @property
     def understood(self) -> bool:
@@ -62,6 +68,7 @@ class EndpointSignals:
 _WANTED = {
     RUNNING: "running", WAITING: "waiting", KV_USAGE[0]: "kv_usage", KV_USAGE[1]: "kv_usage",
     TTFT + "_sum": "ttft_sum", TTFT + "_count": "ttft_count", PREEMPTIONS: "preemptions",
+    PROMPT_TOKENS: "prompt_tokens", GENERATION_TOKENS: "generation_tokens",
 }
 
 

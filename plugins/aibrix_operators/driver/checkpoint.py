@@ -53,6 +53,14 @@ class CheckpointWriter:
             self._room.clear()
             await self._room.wait()
 
+    async def flush_what_is_left(self) -> None:
+        """After a failure, keep the answers already in memory, so the retry re-sends less."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.log.flush), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the shard is failing anyway; say what is lost
+            log.warning("could not write %d buffered answers after the failure (%s); they will be re-sent",
+                        self.log.buffered(), exc)
+
     def close(self) -> None:
         """No more results will come: write what is left and return from :meth:`run`."""
         self._stop.set()

@@ -39,6 +39,7 @@ from aibrix_operators.driver.cache_salt import salted_body
 from aibrix_operators.driver.cancel import CancelWatch
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed, CheckpointWriter
 from aibrix_operators.driver.config import DriverConfig
+from aibrix_operators.driver.engine_time import endpoint_tokens, engine_seconds
 from aibrix_operators.driver.health import EndpointHealth
 from aibrix_operators.driver.metrics import COLLECTOR as METRICS
 from aibrix_operators.driver.metrics import LatencyBuckets, push_from_env, serve_from_env
@@ -195,6 +196,7 @@ async def _send_all(
         await cancel.check()
         if stop is not None and (reason := await asyncio.to_thread(stop.check)) is not None:
             cancel.stop(reason)  # a batch another shard stopped sends nothing more from this one
+        served_before, sending_since = await endpoint_tokens(probe_session, config.base_url), time.monotonic()
         try:
             async with asyncio.TaskGroup() as tg:
                 write_task = tg.create_task(writer.run())
@@ -217,10 +219,13 @@ async def _send_all(
                     stop_task.cancel()
                 report_task.cancel()
                 await write_task
+            outcome.engine_s = engine_seconds(  # driver/engine_time.py: its share of the endpoint's time
+                served_before, await endpoint_tokens(probe_session, config.base_url),
+                counters.usage.input_tokens + counters.usage.output_tokens, time.monotonic() - sending_since)
         except BaseExceptionGroup as group:
             cause = _first_cause(group)
             if not isinstance(cause, CheckpointWriteFailed):
-                await _flush_what_is_left(writer)
+                await writer.flush_what_is_left()
             raise cause from None
         finally:
             outcome.outages = health.outages
@@ -236,15 +241,6 @@ def _first_cause(group: BaseExceptionGroup) -> BaseException:
         if not isinstance(exc, asyncio.CancelledError):
             return exc
     return group.exceptions[0]
-
-
-async def _flush_what_is_left(writer: CheckpointWriter) -> None:
-    """After a failure, keep the answers already in memory, so the retry re-sends less."""
-    try:
-        await asyncio.wait_for(asyncio.to_thread(writer.log.flush), timeout=30)
-    except Exception as exc:  # noqa: BLE001 - the shard is failing anyway; say what is lost
-        log.warning("could not write %d buffered answers after the failure (%s); they will be re-sent",
-                    writer.log.buffered(), exc)
 
 
 def _pending_requests(src: Any, done: set[str]) -> Iterator[dict[str, Any]]:

@@ -34,6 +34,7 @@ class ShardOutcome:
     checkpoint_write_retries: int = 0
     cancelled: bool = False
     stopped_by: str | None = None  # the stop rule that stopped the batch (batch/stop_rules.py)
+    engine_s: float | None = None  # its share of the endpoint's time (driver/engine_time.py); None: unknown
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -346,7 +346,7 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
         batch_published(batch.batch_id, phase=BatchStatus.FINALIZING, shards_done=len(outcomes))
         try:
             summary, obj = finalize_batch(storage, batch, shards, work, in_progress_at=started,
-                                          prices=load_prices())
+                                          prices=load_prices(), engine_s=engine_time(outcomes))
         except ExactlyOnceViolation as exc:
             raise AirflowFailException(f"exactly-once check failed: {exc}") from exc
         wall = max(time.time() - batch.created_at, 1e-9)
@@ -372,6 +372,15 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
             if getattr(outlet, "uri", None) is not None:  # an Asset: its event carries the batch
                 context["outlet_events"][outlet].extra = asset_extra(result, batch)
         return result
+
+
+def engine_time(outcomes: list[dict[str, Any]]) -> float | None:
+    """The engine seconds of the batch's shard runs (their outcomes' ``engine_s``); None when a run
+    could not measure its share (the figure would be too low, so there is none)."""
+    measured = [o.get("engine_s") for o in outcomes]
+    if not measured or any(m is None for m in measured):
+        return None
+    return round(sum(measured), 3)
 
 
 def asset_extra(result: dict[str, Any], batch: ValidatedBatch) -> dict[str, Any]:
