@@ -40,7 +40,7 @@ def airflow_env(home: Path | None = None, parallelism: int = 4) -> dict[str, str
         "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": str(WORK_DIR / "batch-api"),
         "AIRFLOW__AIBRIX_BATCH__EVAL_REPORT_ROOT": str(WORK_DIR),
         "AIRFLOW__AIBRIX_BATCH__LORA_CACHE_DIR": str(WORK_DIR / "lora-cache"),
-        "AIRFLOW__AIBRIX_BATCH__EXPIRY_ROOT": str(WORK_DIR / "expiring"),
+        "AIRFLOW__AIBRIX_BATCH__STATE_ROOT": str(WORK_DIR / "state"),
         # This checkout's allow-list (trust.local_development_policy): a deployment sets its own.
         **allow_list_env(),
         "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"),

@@ -52,9 +52,9 @@ def test_expired_outputs_are_deleted_on_s3_and_the_rest_kept(fake, airflow_sessi
     prefix = f"expiry-{uuid.uuid4().hex[:8]}"
     conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
             "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
-    index = tmp_path / "expiring"
+    index = tmp_path / "state" / "expiring"
     env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
-           "AIRFLOW__AIBRIX_BATCH__EXPIRY_ROOT": str(index)}
+           "AIRFLOW__AIBRIX_BATCH__STATE_ROOT": str(tmp_path / "state")}
 
     def run_batch(name: str) -> dict:
         body = b"".join(json.dumps(r).encode() + b"\n" for r in chat_requests(5))

@@ -47,7 +47,7 @@ def test_the_api_refuses_a_promise_this_deployment_cannot_keep() -> None:
         check_output_expires_after(good, None)  # no expiry index: nothing would delete them
     assert (exc.value.status, exc.value.code, exc.value.param) == (
         400, "invalid_output_expires_after", "output_expires_after")
-    assert "expiry_root" in exc.value.message
+    assert "state_root" in exc.value.message
     with pytest.raises(ApiError):
         check_output_expires_after({"anchor": "created_at", "seconds": 5}, "s3://b/expiring")
 

@@ -117,7 +117,7 @@ class ValidationCode(StrEnum):
     # the deployment's limit (the message says which and how to fix it); retry: no.
     INVALID_STOP_RULES = "invalid_stop_rules"
     # output_expires_after is not {"anchor": "created_at", "seconds": 3600..2592000}, or the deployment
-    # keeps no expiry index ([aibrix_batch] expiry_root); retry: no, fix it or leave it out.
+    # keeps no state ([aibrix_batch] state_root); retry: no, fix it or leave it out.
     INVALID_OUTPUT_EXPIRES_AFTER = "invalid_output_expires_after"
 
 

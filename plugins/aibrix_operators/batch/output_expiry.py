@@ -3,8 +3,8 @@
 A batch that asks for it (``{"anchor": "created_at", "seconds": N}``, OpenAI's shape and bounds:
 one hour to 30 days) has its output and error files expire ``N`` seconds after they were created
 (merge's end). Merge writes the instant into ``batch.json`` (``aibrix_output_expires_at``) and an
-*expiry record* into the deployment's expiry index (``[aibrix_batch] expiry_root``): the files to
-delete and the connection that may. The cleanup task (``dags/output_cleanup.py``) lists the index
+*expiry record* into the deployment's expiry index (``expiring/`` under ``[aibrix_batch] state_root``):
+the files to delete and the connection that may. The cleanup task (``dags/output_cleanup.py``) lists the index
 and deletes what is due, never a file whose record says a later instant; ``batch.json`` is kept
 (the batch's own record), and the Batch API's files answer 404 once their ``expires_at`` is past.
 
@@ -72,6 +72,11 @@ class ExpiryRecord:
         if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
             raise ValueError("uris must be a list of strings")
         return cls(str(data["batch_id"]), expires_at, tuple(uris), data.get("aws_conn_id") or None)
+
+
+def expiry_index(state_root: str) -> str:
+    """The index of expiry records under the deployment's state root."""
+    return join_uri(state_root, "expiring")
 
 
 def expiring_uris(output_uri: str) -> tuple[str, ...]:

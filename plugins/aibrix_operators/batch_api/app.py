@@ -228,7 +228,7 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
         metadata = check_metadata(body.metadata)
         pool_params = check_pool(body.pool, ctx.settings.pool_limits)
         stop_rules = check_stop_rules(body.stop_rules, ctx.settings.max_batch_tokens)
-        expires_after = check_output_expires_after(body.output_expires_after, ctx.settings.expiry_root)
+        expires_after = check_output_expires_after(body.output_expires_after, ctx.settings.state_root)
         file_id = check_file_id(body.input_file_id, "input_file_id")
         try:
             stored = ctx.files.get(tenant, file_id)

@@ -112,10 +112,10 @@ def check_stop_rules(rules: Any, max_batch_tokens: int | None) -> dict[str, Any]
     return checked.as_dict() if checked.active else None
 
 
-def check_output_expires_after(value: Any, expiry_root: str | None) -> dict[str, Any] | None:
+def check_output_expires_after(value: Any, state_root: str | None) -> dict[str, Any] | None:
     """A create request's ``output_expires_after`` (OpenAI's shape and bounds), or None; 400
     ``invalid_output_expires_after`` for another, or when the deployment deletes no outputs
-    (no ``[aibrix_batch] expiry_root``): a promise to delete must not be accepted and not kept."""
+    (no ``[aibrix_batch] state_root``): a promise to delete must not be accepted and not kept."""
     try:
         seconds = parse_expires_after(value)
     except ValueError as exc:
@@ -123,8 +123,8 @@ def check_output_expires_after(value: Any, expiry_root: str | None) -> dict[str,
                           ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER) from None
     if seconds is None:
         return None
-    if not expiry_root:
-        raise bad_request("this deployment does not delete outputs ([aibrix_batch] expiry_root is not set); "
+    if not state_root:
+        raise bad_request("this deployment does not delete outputs ([aibrix_batch] state_root is not set); "
                           "leave output_expires_after out", "output_expires_after",
                           ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER)
     return {"anchor": ANCHOR, "seconds": seconds}

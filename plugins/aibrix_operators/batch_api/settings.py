@@ -75,9 +75,9 @@ class ApiSettings:
     # The largest token budget a batch may set ([aibrix_batch] max_batch_tokens, the same key the
     # DAG's validate step applies; settings/stop_rules.py); None: no limit.
     max_batch_tokens: int | None = None
-    # The deployment's expiry index ([aibrix_batch] expiry_root, settings/locations.py); None: this
+    # The deployment's state root ([aibrix_batch] state_root, settings/locations.py); None: this
     # deployment deletes no outputs, and a batch asking for output_expires_after is refused.
-    expiry_root: str | None = None
+    state_root: str | None = None
     # The deployment's prices ([aibrix_batch] prices, batch/cost.py); None: no cost lines.
     prices: Prices | None = None
 
@@ -130,6 +130,6 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
         pool_limits=job_pool_limits(get),
         min_window_s=min_completion_window_s(get),
         max_batch_tokens=parse_max_batch_tokens(get("max_batch_tokens")),
-        expiry_root=(get("expiry_root") or "").strip() or None,
+        state_root=(get("state_root") or "").strip() or None,
         prices=parse_prices(get("prices")),
     )

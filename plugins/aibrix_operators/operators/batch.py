@@ -31,7 +31,7 @@ from aibrix_operators.batch.job import (
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
-from aibrix_operators.batch.output_expiry import ExpiryRecord, expiring_uris, write_record
+from aibrix_operators.batch.output_expiry import ExpiryRecord, expiring_uris, expiry_index, write_record
 from aibrix_operators.batch.records import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MAX_FILE_BYTES,
@@ -48,7 +48,7 @@ from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
-from aibrix_operators.settings.locations import LocationNotSet, expiry_aws_conn_id, expiry_root
+from aibrix_operators.settings.locations import LocationNotSet, state_aws_conn_id, state_root
 from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.settings.prices import load_prices
 from aibrix_operators.settings.stop_rules import load_max_batch_tokens
@@ -176,7 +176,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
                        "of storage (both local or both s3://)", None, out_storage)
         if self.output_expires_after:
             try:
-                expiry_root()
+                state_root()
             except LocationNotSet as exc:
                 self._fail(context, batch_id, metadata, ValidationCode.INVALID_OUTPUT_EXPIRES_AFTER,
                            f"this deployment deletes no outputs: {exc}", output_refusal, out_storage)
@@ -359,10 +359,10 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
             batch.output_uri,
         )
         if obj.aibrix_output_expires_at is not None:
-            index = BatchStorageHook(expiry_aws_conn_id())
+            index = expiry_index(state_root())
             record = ExpiryRecord(obj.id, obj.aibrix_output_expires_at, expiring_uris(batch.output_uri),
                                   self.aws_conn_id or None)
-            where = write_record(index.storage_for(expiry_root()), expiry_root(), record)
+            where = write_record(BatchStorageHook(state_aws_conn_id()).storage_for(index), index, record)
             log.info("the output files expire at %d; recorded in %s", record.expires_at, where)
         batch_published(batch.batch_id, phase=obj.status, completed=counts["completed"],
                         failed=counts["failed"], shards_done=len(shards))

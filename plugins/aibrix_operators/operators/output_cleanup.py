@@ -1,10 +1,10 @@
 """The cleanup task: delete the batch outputs whose ``output_expires_after`` has come.
 
-Reads the deployment's expiry index (``[aibrix_batch] expiry_root``, written by merge) and deletes
-what is due with ``batch/output_expiry.sweep``, at the wall clock's now (never a run's logical date:
-a run triggered with a date in the future must not delete what has not expired). Each file is checked
-against the deployment's storage allow-list, with the connection the batch wrote it with, before it is
-deleted. ``dags/output_cleanup.py`` runs it every hour.
+Reads the deployment's expiry index (``expiring/`` under ``[aibrix_batch] state_root``, written by
+merge) and deletes what is due with ``batch/output_expiry.sweep``, at the wall clock's now (never a
+run's logical date: a run triggered with a date in the future must not delete what has not expired).
+Each file is checked against the deployment's storage allow-list, with the connection the batch
+wrote it with, before it is deleted. ``dags/output_cleanup.py`` runs it every hour.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from aibrix_operators.batch.output_expiry import sweep
+from aibrix_operators.batch.output_expiry import expiry_index, sweep
 from aibrix_operators.hooks.batch_storage import BatchStorageHook
-from aibrix_operators.settings.locations import expiry_aws_conn_id, expiry_root
+from aibrix_operators.settings.locations import state_aws_conn_id, state_root
 from aibrix_operators.storage import Storage, is_s3
 from aibrix_operators.trust.deployment import load_policy
 from aibrix_operators.trust.policy import TrustViolation
@@ -31,8 +31,8 @@ class SweepExpiredOutputsOperator(BaseOperator):
     record names a file the allow-list does not cover or cannot be read (the log says which)."""
 
     def execute(self, context: Context) -> dict[str, Any]:
-        root = expiry_root()
-        index = BatchStorageHook(expiry_aws_conn_id()).storage_for(root)
+        root = expiry_index(state_root())
+        index = BatchStorageHook(state_aws_conn_id()).storage_for(root)
         policy = load_policy()
 
         def allowed(uri: str, aws_conn_id: str | None) -> str | None:

@@ -15,8 +15,9 @@ Local development (``make run``, the tests) sets them all to folders under ``.wo
   ``report_uri``;
 * ``lora_cache_dir``: the node-local folder adapters are fetched into (per node by design: each
   node verifies what it loads);
-* ``expiry_root`` (and ``expiry_aws_conn_id`` for an ``s3://`` one): the index of outputs that
-  expire (``batch/output_expiry.py``), needed only by batches that ask for ``output_expires_after``.
+* ``state_root`` (and ``state_aws_conn_id`` for an ``s3://`` one): the pipeline's deployment-wide
+  state: the index of outputs that expire (``batch/output_expiry.py``), the endpoints' measured
+  rates and the admission queue (``batch/admission.py``).
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def lora_cache_dir() -> Path:
     return Path(required("lora_cache_dir", "the node-local folder LoRA adapters are fetched into"))
 
 
-def expiry_root() -> str:
-    return required("expiry_root", "where merge records outputs that expire (output_expires_after)")
+def state_root() -> str:
+    return required("state_root", "where the pipeline keeps outputs that expire, measured rates and "
+                                  "the admission queue")
 
 
-def expiry_aws_conn_id() -> str | None:
-    """The connection that reads and writes an ``s3://`` ``expiry_root``; None: boto3's defaults."""
-    return configured("expiry_aws_conn_id")
+def state_aws_conn_id() -> str | None:
+    """The connection that reads and writes an ``s3://`` ``state_root``; None: boto3's defaults."""
+    return configured("state_aws_conn_id")
