@@ -12,7 +12,7 @@ import pytest
 
 from aibrix_operators.batch.cost import Prices, cost_line, describe
 from aibrix_operators.driver.engine_time import engine_seconds
-from aibrix_operators.operators.batch import engine_time
+from aibrix_operators.operators.batch_end import engine_time
 from tests.driver.test_driver_faults import run
 
 ANSWER = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "fault": ["ok@0.01"]}

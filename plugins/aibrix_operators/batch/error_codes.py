@@ -119,6 +119,10 @@ class ValidationCode(StrEnum):
     # output_expires_after is not {"anchor": "created_at", "seconds": 3600..2592000}, or the deployment
     # keeps no state ([aibrix_batch] state_root); retry: no, fix it or leave it out.
     INVALID_OUTPUT_EXPIRES_AFTER = "invalid_output_expires_after"
+    # At the endpoint's measured rate, behind the earlier-deadline work queued there, the batch would
+    # end after its window, and the deployment refuses such batches ([aibrix_batch] admission =
+    # refuse); the message names the shortest window that would be met; retry: with that window.
+    WINDOW_INFEASIBLE = "window_infeasible"
 
 
 class BatchFailure(StrEnum):

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from aibrix_operators.batch.admission import Admission, Estimate, Work, endpoint_key
 from aibrix_operators.batch.cost import Prices, cost_line
 from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
@@ -113,6 +114,10 @@ class ValidatedBatch:
     stop_rules: dict[str, Any] | None = None
     # OpenAI's output_expires_after, in seconds from the output's creation; None: kept.
     output_expires_after_s: int | None = None
+    # Admission (batch/admission.py): the estimate it was admitted with, and its rate's key (merge
+    # learns the rate and takes the batch's work off the queue); None without a state root.
+    estimate: dict[str, Any] | None = None
+    admission_key: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -142,6 +147,7 @@ def validate_batch(
     stop_rules: dict[str, Any] | None = None,
     max_batch_tokens: int | None = None,
     output_expires_after: dict[str, Any] | None = None,
+    admission: Admission | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -175,6 +181,10 @@ def validate_batch(
 
     ``output_expires_after``: OpenAI's ``{"anchor": "created_at", "seconds": N}``
     (batch/output_expiry.py); a bad one fails the batch with ``invalid_output_expires_after``.
+
+    ``admission``: judge the valid batch's window at the endpoint's measured rate (batch/admission.py):
+    admitted with its estimate (and queued), or, when the deployment refuses infeasible windows and
+    this one is, failed with ``window_infeasible`` naming the shortest window that would be met.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -223,6 +233,22 @@ def validate_batch(
             report = ValidationReport(endpoint=endpoint)
             message = str(exc) if isinstance(exc, StorageError) else f"cannot read {input_uri}: {exc}"
             report.add_error(None, storage_error_code(exc), one_line(message), "input_uri")
+    judged: Estimate | None = None
+    if admission is not None and report.ok and report.model and admission.mode != "off":
+        judged = admission.judge(report.model, Work(report.total_requests, report.total_bytes,
+                                                    report.max_output_tokens, report.unbounded_requests),
+                                 batch_id, created_at, deadline(created_at, completion_window), time.time())
+        if judged.feasible is False:
+            late = (f"at {judged.tokens_per_s} tokens/s, behind {judged.ahead_tokens} tokens of "
+                    f"earlier-deadline work, its {judged.tokens} tokens would be done {judged.seconds:.0f} s "
+                    f"from now, after its window ends; the shortest window that would be met is "
+                    f"{judged.earliest_window}")
+            if admission.mode == "refuse":
+                report.add_error(None, ValidationCode.WINDOW_INFEASIBLE,
+                                 f"{late}: ask for completion_window {judged.earliest_window} or more",
+                                 "completion_window")
+            else:
+                log.warning("batch %s is at risk: %s", batch_id, late)
     if expected_model and report.model and report.model != expected_model:
         report.add_error(
             None, ValidationCode.MISMATCHED_MODEL,
@@ -242,6 +268,8 @@ def validate_batch(
     if report.adapter_counts and not by_model:
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
+    if judged is not None:
+        admission.admit(report.model, batch_id, deadline(created_at, completion_window), judged)
     order_uri, groups, shared = None, 0, 0
     if signatures is not None and signatures.dropped_at is not None:
         log.info("prefix grouping skipped: the batch has %d requests, over the %d that are grouped "
@@ -268,6 +296,8 @@ def validate_batch(
         adapters=list(report.adapter_counts),
         stop_rules=rules.as_dict() if rules is not None and rules.active else None,
         output_expires_after_s=expires_after_s,
+        estimate=judged.as_dict() if judged is not None else None,
+        admission_key=endpoint_key(report.model, admission.endpoint) if judged is not None else None,
     )
 
 
@@ -350,6 +380,7 @@ def finalize_batch(
         aibrix_output_expires_at=_output_expiry(ended, batch),
         aibrix_cost=cost_line(summary.usage.as_dict(), prices, engine_s),
         aibrix_engine_s=engine_s,
+        aibrix_estimate=batch.estimate,
     )
     write_batch_object(storage, batch.output_uri, obj)
     return summary, obj

@@ -93,6 +93,8 @@ class RunSnapshot:
     live_counts: tuple[int, int, int] | None = None
     # While it runs: the tokens of the answers so far (OpenAI's ``usage`` shape; merge's totals later).
     live_usage: dict[str, Any] | None = None
+    # The estimate validate admitted the batch with (batch/admission.py), while it has not ended.
+    estimate: dict[str, Any] | None = None
     total_requests: int | None = None
     # While dispatch runs: how many shards the batch has, and which have finished (their
     # dispatch succeeded): the partial output is theirs.

@@ -215,6 +215,8 @@ class BatchObject:
     # Extension: the engine time the batch used, summed over its shards' runs (driver/engine_time.py);
     # None when an endpoint did not report its token counters.
     aibrix_engine_s: float | None = None
+    # Extension: the estimate the batch was admitted with (batch/admission.py), kept to compare.
+    aibrix_estimate: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # A plain str: the object goes to XCom and JSON, which need not know the enum.

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from aibrix_operators.batch.admission import output_limit
 from aibrix_operators.batch.duplicate_ids import IdHashLog, duplicate_ids
 from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
@@ -91,6 +92,10 @@ class ValidationReport:
     adapter_ids: dict[str, int] = field(default_factory=dict, repr=False)
     total_requests: int = 0
     total_bytes: int = 0
+    # What bounds the batch's output (batch/admission.py): the sum of the lines' max_tokens, and the
+    # lines without one.
+    max_output_tokens: int = 0
+    unbounded_requests: int = 0
     # The number of the last line that holds a request (trailing blank lines excluded).
     last_request_line: int = 0
     errors: list[LineError] = field(default_factory=list)
@@ -269,6 +274,10 @@ def validate_stream(
             continue
         custom_id = _check_record(record, line_no, report, err)
         if custom_id is not None:
+            if (bound := output_limit(record.get("body"))) is None:
+                report.unbounded_requests += 1
+            else:
+                report.max_output_tokens += bound
             add_hash(hash(custom_id))
             add_line(line_no)
             if len(id_hashes) == spill_at:

@@ -227,6 +227,7 @@ class BatchRuns:
         validated = self._step_value(snap, run_id, Step.VALIDATE)
         if isinstance(validated, dict):
             snap.total_requests = int(validated.get("total_requests") or 0)
+            snap.estimate = validated.get("estimate") if isinstance(validated.get("estimate"), dict) else None
         shards = self._step_value(snap, run_id, Step.SPLIT)
         if not isinstance(shards, list):
             return

@@ -109,6 +109,8 @@ class Batch(BaseModel):
     aibrix_shards: ShardProgress | None = None
     # Not OpenAI's: with deployment prices, the cost so far / in the end (docs/batch-api.md).
     aibrix_cost: dict[str, Any] | None = None
+    # Not OpenAI's: until it ends, when the batch will be done and on what basis (docs/admission.md).
+    aibrix_estimate: dict[str, Any] | None = None
 
 
 class BatchList(BaseModel):

@@ -121,6 +121,7 @@ def batch_object(snap: RunSnapshot, now: float | None = None, prices: Prices | N
         if snap.shard_count is not None and status not in TERMINAL else None,
         extensions.COST: published.get(extensions.COST) if status in TERMINAL
         else cost_line(snap.live_usage, prices),
+        extensions.ESTIMATE: None if status in TERMINAL else _estimate(snap, counts, in_progress_at, now),
     }
 
 
@@ -151,6 +152,24 @@ def _status_line(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int],
                                  expires_at - now)
         if outlook is not None:
             return outlook.line()
+    return None
+
+
+def _estimate(snap: RunSnapshot, counts: dict[str, int], in_progress_at: int | None,
+              now: float | None) -> dict[str, Any] | None:
+    """When the batch will be done: at its own rate once it has answers (the live ETA), else the
+    estimate it was admitted with (batch/admission.py)."""
+    answered = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
+    total = int(counts.get("total", 0))
+    now = time.time() if now is None else now
+    if snap.live_counts is not None and answered > 0 and in_progress_at and now > in_progress_at:
+        elapsed = now - in_progress_at
+        return {"completion_at": int(now + (total - answered) * elapsed / answered),
+                "basis": f"this batch's own rate so far: {answered} answers in {elapsed:.0f} s"}
+    if snap.estimate is not None:
+        keep = ("completion_at", "basis", "feasible", "earliest_window", "tokens", "ahead_tokens",
+                "tokens_per_s")
+        return {k: snap.estimate.get(k) for k in keep}
     return None
 
 

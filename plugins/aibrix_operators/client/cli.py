@@ -175,6 +175,8 @@ def describe_batch(batch: Any) -> str:
         cached = usage.input_tokens_details.cached_tokens if usage.input_tokens_details else 0
         lines.append(f"  usage      {usage.input_tokens} input ({cached} cached) + {usage.output_tokens} "
                      f"output tokens{'' if batch.status in ENDED else ' so far'}")
+    if estimate := (batch.model_extra or {}).get(extensions.ESTIMATE):
+        lines.append("  estimate   " + describe_estimate(estimate))
     if cost := describe_cost((batch.model_extra or {}).get(extensions.COST)):
         lines.append(f"  cost       {cost}{'' if batch.status in ENDED else ' so far'}")
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:5]:
@@ -189,6 +191,18 @@ def describe_batch(batch: Any) -> str:
     if monitor:
         lines.append(f"  monitor    {monitor}")
     return "\n".join(lines)
+
+
+def describe_estimate(estimate: dict[str, Any]) -> str:
+    """When the batch will be done and on what basis; a window it will not meet says so."""
+    when = estimate.get("completion_at")
+    text = (f"done by {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(when))} UTC" if isinstance(when, int)
+            else "no estimate")
+    text += f" ({estimate.get('basis')})"
+    if estimate.get("feasible") is False:
+        text += (f"; AT RISK: after its window ends; the shortest window that would be met is "
+                 f"{estimate.get('earliest_window')}")
+    return text
 
 
 def batch_exit(batch: Any) -> ExitCode:

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from aibrix_operators.batch.admission import Admission
 from aibrix_operators.batch.deadline import submitted_at
 from aibrix_operators.batch.error_codes import BatchFailure, ValidationCode
 from aibrix_operators.batch.failures import (
@@ -31,7 +32,6 @@ from aibrix_operators.batch.job import (
 from aibrix_operators.batch.job_pool import JobPool, JobPoolError
 from aibrix_operators.batch.lifecycle import BatchStatus
 from aibrix_operators.batch.merging import ExactlyOnceViolation
-from aibrix_operators.batch.output_expiry import ExpiryRecord, expiring_uris, expiry_index, write_record
 from aibrix_operators.batch.records import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MAX_FILE_BYTES,
@@ -43,12 +43,14 @@ from aibrix_operators.batch.sharding import AIRFLOW_MAX_MAP_LENGTH, ShardSpec
 from aibrix_operators.batch.validation import ValidationLimits
 from aibrix_operators.hooks.batch_storage import BatchStorageHook, UsesBatchStorage
 from aibrix_operators.lora.registry import AdapterRegistryError
+from aibrix_operators.operators.batch_end import engine_time, learn_and_leave, record_expiry
 from aibrix_operators.operators.batch_metrics import batch_published
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
+from aibrix_operators.settings.admission import load_admission_mode
 from aibrix_operators.settings.completion_window import load_min_completion_window_s
 from aibrix_operators.settings.job_pool import load_job_pool_limits
-from aibrix_operators.settings.locations import LocationNotSet, state_aws_conn_id, state_root
+from aibrix_operators.settings.locations import LocationNotSet, configured, state_aws_conn_id, state_root
 from aibrix_operators.settings.lora import load_adapter_registry
 from aibrix_operators.settings.prices import load_prices
 from aibrix_operators.settings.stop_rules import load_max_batch_tokens
@@ -198,6 +200,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
             submitted_at=_submitted_at(context), stop_rules=self.stop_rules or None,
             max_batch_tokens=load_max_batch_tokens(), output_expires_after=self.output_expires_after or None,
+            admission=self._admission(),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
@@ -214,6 +217,15 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         batch_published(batch.batch_id, phase=BatchStatus.VALIDATING, requests=batch.total_requests,
                         created_at=batch.created_at, deadline=batch.expires_at)
         return batch.as_dict()
+
+    def _admission(self) -> Admission | None:
+        """Where this batch is judged (batch/admission.py); None on a deployment without a state root."""
+        root = configured("state_root")
+        if root is None:
+            return None
+        endpoint = self.endpoint or f"conn:{self.inference_conn_id}"
+        return Admission(BatchStorageHook(state_aws_conn_id()).storage_for(root), root.rstrip("/"), endpoint,
+                         load_admission_mode())
 
     def _fail(
         self, context: Context, batch_id: str, metadata: dict[str, str], code: str, message: str,
@@ -358,12 +370,11 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
             summary.usage.input_tokens, summary.usage.output_tokens, wall, counts["total"] / wall,
             batch.output_uri,
         )
+        if batch.admission_key is not None:
+            learn_and_leave(batch, summary.usage, summary.completed,
+                             engine_time(outcomes) or (time.time() - started if started else None))
         if obj.aibrix_output_expires_at is not None:
-            index = expiry_index(state_root())
-            record = ExpiryRecord(obj.id, obj.aibrix_output_expires_at, expiring_uris(batch.output_uri),
-                                  self.aws_conn_id or None)
-            where = write_record(BatchStorageHook(state_aws_conn_id()).storage_for(index), index, record)
-            log.info("the output files expire at %d; recorded in %s", record.expires_at, where)
+            record_expiry(batch, obj.aibrix_output_expires_at, self.aws_conn_id or None)
         batch_published(batch.batch_id, phase=obj.status, completed=counts["completed"],
                         failed=counts["failed"], shards_done=len(shards))
         result = obj.as_dict()
@@ -372,15 +383,6 @@ class MergeBatchOperator(UsesBatchStorage, BaseOperator):
             if getattr(outlet, "uri", None) is not None:  # an Asset: its event carries the batch
                 context["outlet_events"][outlet].extra = asset_extra(result, batch)
         return result
-
-
-def engine_time(outcomes: list[dict[str, Any]]) -> float | None:
-    """The engine seconds of the batch's shard runs (their outcomes' ``engine_s``); None when a run
-    could not measure its share (the figure would be too low, so there is none)."""
-    measured = [o.get("engine_s") for o in outcomes]
-    if not measured or any(m is None for m in measured):
-        return None
-    return round(sum(measured), 3)
 
 
 def asset_extra(result: dict[str, Any], batch: ValidatedBatch) -> dict[str, Any]:
@@ -441,6 +443,8 @@ class RecordBatchFailureOperator(UsesBatchStorage, BaseOperator):
             f"{work_prefix(batch.output_uri, context['run_id'])}"
         )
         # The steps' own errors (model_not_served, storage_error, ...) when they left them.
+        if batch.admission_key is not None:
+            learn_and_leave(batch, None, 0, None)
         errors = collect_step_errors(ti, self.step_task_ids)
         if not errors:
             record = record_batch_failure(storage, batch, BatchFailure.BATCH_RUN_FAILED, message)
