@@ -265,3 +265,17 @@ def test_deferred_wait_counts_each_triggers_polls_and_refuses_a_batch_that_ended
             asyncio.run(dw.wait_deferred(batch(), waiting=3, window_s=1.0))
     finally:
         fake.stop()
+
+
+def test_admission_replay_admits_refuses_and_scores_its_estimates(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load("admission_replay")
+    # A small, steady endpoint for 3 h: some windows cannot be met and are refused; what is admitted
+    # with a measurement meets its window.
+    result = bench.replay(1, hours=3, per_hour=12, capacity=2000, drift_step=0.0)
+    assert result["admitted"] + result["refused"] == result["batches"] > 10
+    assert result["refused"] > 0 and result["missed_windows"] == []
+    assert {"p50", "p90", "share_within_15pct"} <= set(result["eta_error_own"])
+    assert bench.main(["--seeds", "2", "--hours", "1", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())[0]["seed"] == 2
+    assert '"seed": 2' in capsys.readouterr().out

@@ -19,8 +19,8 @@ from aibrix_operators.batch.admission import (
     learn_rate,
     measured,
     output_limit,
+    queued_work,
     read_rate,
-    tokens_ahead,
     window_for,
 )
 from aibrix_operators.batch.job import validate_batch
@@ -43,13 +43,22 @@ def test_a_lines_output_bound_is_its_max_tokens_by_any_of_its_names() -> None:
 
 def test_the_estimate_says_what_it_rests_on_and_nothing_without_a_measurement() -> None:
     work = Work(requests=10, input_bytes=4000, max_output_tokens=800, unbounded_requests=2)
-    none = estimate(work, None, 0, now=1000, submitted_at=1000, deadline=1100)
+    none = estimate(work, None, [], now=1000, submitted_at=1000, deadline=1100)
     assert none.completion_at is None and none.feasible is None and "no measurement yet" in none.basis
     # 4000 bytes x 0.25 + 800 bounded + 2 x 10 measured = 1820 tokens, behind 180: 2000 at 100/s.
-    est = estimate(work, RATE, 180, now=1000, submitted_at=990, deadline=1030)
-    assert (est.tokens, est.seconds, est.completion_at, est.feasible) == (1820, 20.0, 1020, True)
-    late = estimate(work, RATE, 180, now=1000, submitted_at=990, deadline=1010)
+    est = estimate(work, RATE, [(1005, 180), (5000, 99)], now=1000, submitted_at=990, deadline=1030)
+    assert (est.tokens, est.ahead_tokens, est.seconds, est.completion_at, est.feasible) == (
+        1820, 180, 20.0, 1020, True)
+    late = estimate(work, RATE, [(1005, 180)], now=1000, submitted_at=990, deadline=1010)
     assert late.feasible is False and late.earliest_window == "1m"  # done at 1020: 30 s after submission
+    assert "would be done 20 s from now, after its window ends" in late.why_late()
+    # In time itself (done at 1019), but ahead of an admitted batch due at 1025 with 800 tokens it
+    # would push that one to 1000 + 2620 / 100 = 1026.2: refused, with a window that ends after both.
+    squeezed = estimate(work, RATE, [(1025, 800)], now=1000, submitted_at=990, deadline=1020)
+    assert squeezed.feasible is False and squeezed.would_delay_deadline == 1025
+    assert squeezed.earliest_window == "1m" and "would make that batch miss it" in squeezed.why_late()
+    fits = estimate(work, RATE, [(1025, 600)], now=1000, submitted_at=990, deadline=1020)  # 1024.2
+    assert fits.feasible is True and fits.would_delay_deadline is None
     assert window_for(3600) == "1h" and window_for(3601) == "61m" and window_for(0.5) == "1m"
 
 
@@ -70,13 +79,20 @@ def test_rates_are_learned_per_model_and_endpoint(tmp_path: Path) -> None:
 def test_the_work_ahead_is_the_earlier_deadlines_still_running(tmp_path: Path) -> None:
     storage, root = LocalStorage(), str(tmp_path / "state")
     now = time.time()
-    enqueue(storage, root, KEY, "batch_early", int(now) + 100, 500)
-    enqueue(storage, root, KEY, "batch_same", int(now) + 200, 300)
-    enqueue(storage, root, KEY, "batch_late", int(now) + 900, 7000)
-    enqueue(storage, root, KEY, "batch_gone", int(now) - 5, 9000)  # its deadline passed: it has ended
-    enqueue(storage, root, endpoint_key("other", "http://127.0.0.1:8000"), "batch_x", int(now) + 1, 100)
-    assert tokens_ahead(storage, root, KEY, int(now) + 200, now, "batch_mine") == 800
-    assert tokens_ahead(storage, root, KEY, int(now) + 200, now, "batch_same") == 500  # not itself
+    def work(tokens: int) -> Work:  # 4 bytes a token at RATE, no output
+        return Work(requests=1, input_bytes=tokens * 4, max_output_tokens=0, unbounded_requests=0)
+
+    enqueue(storage, root, KEY, "batch_early", int(now) + 100, work(500))
+    enqueue(storage, root, KEY, "batch_same", int(now) + 200, work(300))
+    enqueue(storage, root, KEY, "batch_late", int(now) + 900, work(7000))
+    enqueue(storage, root, KEY, "batch_gone", int(now) - 5, work(9000))  # its deadline passed: it ended
+    enqueue(storage, root, endpoint_key("other", "http://127.0.0.1:8000"), "batch_x", int(now) + 1, work(100))
+    queue = queued_work(storage, root, KEY, now, "batch_mine", RATE)
+    assert queue == [(int(now) + 100, 500), (int(now) + 200, 300), (int(now) + 900, 7000)]
+    assert (int(now) + 200, 300) not in queued_work(storage, root, KEY, now, "batch_same", RATE)  # not itself
+    # Tokens at the rate known when a batch is judged: a batch queued before any measurement counts.
+    faster = Rate(KEY, 100.0, input_tokens_per_byte=0.5, output_tokens_per_request=10.0)
+    assert queued_work(storage, root, KEY, now, "batch_mine", faster)[0] == (int(now) + 100, 1000)
 
 
 def _input(tmp_path: Path, n: int, max_tokens: int | None = 16) -> str:
@@ -109,11 +125,12 @@ def test_validate_admits_warns_or_refuses_at_the_measured_rate(tmp_path: Path) -
                                 min_window_s=1, admission=warn)
     assert at_risk is not None and at_risk.estimate["feasible"] is False
     assert at_risk.estimate["earliest_window"] == "2m" and at_risk.admission_key == KEY
-    # Admitted work is queued: the next batch with a later deadline waits behind it.
+    # Admitted work is queued (the first batch's too, admitted before there was a rate): the next
+    # batch with a later deadline waits behind both.
     _, behind = validate_batch(storage, _input(tmp_path, 100), str(tmp_path / "o4"), completion_window="1h",
                                min_window_s=1, admission=warn)
     assert behind is not None and behind.estimate["feasible"] is True
-    assert behind.estimate["ahead_tokens"] == at_risk.estimate["tokens"]
+    assert behind.estimate["ahead_tokens"] == 2 * at_risk.estimate["tokens"]
     # A line without max_tokens is bounded by the measured mean (10), not by 16.
     _, unbounded = validate_batch(storage, _input(tmp_path, 100, None), str(tmp_path / "o5"),
                                   completion_window="1h", min_window_s=1, admission=warn)

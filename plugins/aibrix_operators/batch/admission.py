@@ -116,32 +116,34 @@ def _entry_uri(state_root: str, key: str, deadline: int, batch_id: str) -> str:
     return join_uri(_queue_dir(state_root, key), f"{deadline:010d}-{batch_id}.json")
 
 
-def enqueue(storage: Storage, state_root: str, key: str, batch_id: str, deadline: int, tokens: int) -> None:
-    storage.write_bytes(_entry_uri(state_root, key, deadline, batch_id),
-                        json.dumps({"batch_id": batch_id, "deadline": deadline, "tokens": tokens}).encode())
+def enqueue(storage: Storage, state_root: str, key: str, batch_id: str, deadline: int, work: Work) -> None:
+    """Queue an admitted batch's work: what validation counted, not tokens, so a batch admitted before
+    the endpoint had a measured rate still counts once it has one."""
+    entry = {"batch_id": batch_id, "deadline": deadline, "work": asdict(work)}
+    storage.write_bytes(_entry_uri(state_root, key, deadline, batch_id), json.dumps(entry).encode())
 
 
 def dequeue(storage: Storage, state_root: str, key: str, batch_id: str, deadline: int) -> None:
     delete_object(storage, _entry_uri(state_root, key, deadline, batch_id))
 
 
-def tokens_ahead(storage: Storage, state_root: str, key: str, deadline: int, now: float,
-                 batch_id: str) -> int:
-    """The queued tokens served before a batch with ``deadline``: earlier (or equal) deadlines that
-    have not passed, other batches only. Names carry the deadline, so only those entries are read."""
-    total = 0
+def queued_work(
+    storage: Storage, state_root: str, key: str, now: float, batch_id: str, rate: Rate
+) -> list[tuple[int, int]]:
+    """The admitted work on the endpoint, as ``(deadline, tokens at rate)`` by deadline: entries whose
+    deadline has not passed, other batches only."""
+    work = []
     for uri in storage.list(_queue_dir(state_root, key)):
         name = uri.rsplit("/", 1)[-1]
         due, _, rest = name.partition("-")
-        if not due.isdigit() or int(due) > deadline or int(due) <= now or rest == f"{batch_id}.json":
+        if not due.isdigit() or int(due) <= now or rest == f"{batch_id}.json":
             continue
         try:
-            tokens = json.loads(storage.read_bytes(uri)).get("tokens")
-        except (StorageError, OSError, ValueError):
-            continue  # ended meanwhile
-        if isinstance(tokens, int) and tokens > 0:
-            total += tokens
-    return total
+            queued = Work(**json.loads(storage.read_bytes(uri))["work"])
+        except (StorageError, OSError, ValueError, KeyError, TypeError):
+            continue  # ended meanwhile, or not an entry
+        work.append((int(due), work_tokens(queued, rate)))
+    return sorted(work)
 
 
 @dataclass(frozen=True)
@@ -164,9 +166,23 @@ class Estimate:
     completion_at: int | None = None
     feasible: bool | None = None
     earliest_window: str | None = None
+    # When the batch's own window could be met but it would make an admitted batch with a later
+    # deadline miss its own: that batch's deadline.
+    would_delay_deadline: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def why_late(self) -> str:
+        """Why the window cannot be met, with the figures (for an infeasible estimate)."""
+        if self.would_delay_deadline is not None:
+            why = (f"ahead of an admitted batch whose window ends at {self.would_delay_deadline} "
+                   f"(Unix time), its {self.tokens} tokens would make that batch miss it")
+        else:
+            why = (f"behind {self.ahead_tokens} tokens of earlier-deadline work, its {self.tokens} tokens "
+                   f"would be done {self.seconds:.0f} s from now, after its window ends")
+        return (f"at {self.tokens_per_s} tokens/s measured, {why}; the shortest window that would be "
+                f"met is {self.earliest_window}")
 
 
 @dataclass(frozen=True)
@@ -182,15 +198,20 @@ class Admission:
     def judge(self, model: str, work: Work, batch_id: str, submitted_at: int, deadline: int,
               now: float) -> Estimate:
         key = endpoint_key(model, self.endpoint)
-        ahead = tokens_ahead(self.storage, self.state_root, key, deadline, now, batch_id)
         rate = read_rate(self.storage, self.state_root, key)
-        return estimate(work, rate, ahead, now, submitted_at, deadline)
+        queue = [] if rate is None else queued_work(self.storage, self.state_root, key, now, batch_id, rate)
+        return estimate(work, rate, queue, now, submitted_at, deadline)
 
-    def admit(self, model: str, batch_id: str, deadline: int, judged: Estimate) -> None:
+    def admit(self, model: str, batch_id: str, deadline: int, work: Work) -> None:
         """Queue the admitted batch's work, for the batches judged after it."""
-        if judged.tokens:
-            enqueue(self.storage, self.state_root, endpoint_key(model, self.endpoint), batch_id, deadline,
-                    judged.tokens)
+        enqueue(self.storage, self.state_root, endpoint_key(model, self.endpoint), batch_id, deadline, work)
+
+
+def work_tokens(work: Work, rate: Rate) -> int:
+    """A batch's tokens: its size at the measured input tokens per byte, its output bounded by its
+    lines' max_tokens (the measured mean for a line without)."""
+    return round(work.input_bytes * rate.input_tokens_per_byte + work.max_output_tokens
+                 + work.unbounded_requests * rate.output_tokens_per_request)
 
 
 def window_for(seconds: float) -> str:
@@ -199,22 +220,34 @@ def window_for(seconds: float) -> str:
     return f"{minutes // 60}h" if minutes % 60 == 0 else f"{minutes}m"
 
 
-def estimate(work: Work, rate: Rate | None, ahead_tokens: int, now: float, submitted_at: int,
+def estimate(work: Work, rate: Rate | None, queue: list[tuple[int, int]], now: float, submitted_at: int,
              deadline: int) -> Estimate:
-    """When the batch will be done, at ``rate``, behind ``ahead_tokens``; what it rests on."""
+    """When the batch will be done, at ``rate``, behind the queued work with earlier (or equal)
+    deadlines; what it rests on. Admitting it must not make a queued batch with a later deadline miss
+    its window either (earliest deadline first: this batch would go ahead of it): if it would, the
+    estimate is infeasible and the shortest window that would be met is one that ends after that work."""
+    ahead_tokens = sum(tokens for due, tokens in queue if due <= deadline)
     if rate is None:
         return Estimate(basis="no measurement yet for this model and endpoint: no estimate until a "
                               "batch has run there", ahead_tokens=ahead_tokens)
-    tokens = round(work.input_bytes * rate.input_tokens_per_byte + work.max_output_tokens
-                   + work.unbounded_requests * rate.output_tokens_per_request)
-    seconds = (tokens + ahead_tokens) / rate.tokens_per_s
+    speed = rate.tokens_per_s
+    tokens = work_tokens(work, rate)
+    seconds = (tokens + ahead_tokens) / speed
     done = math.ceil(now + seconds)
-    feasible = done <= deadline
+    feasible, delayed = done <= deadline, None
+    cumulative = tokens + ahead_tokens
+    for due, later in ((d, t) for d, t in queue if d > deadline):
+        cumulative += later
+        if now + cumulative / speed > due >= now + (cumulative - tokens) / speed and feasible:
+            feasible, delayed = False, due
+    # A window that ends after all the queued work delays nobody.
+    window_end = math.ceil(now + cumulative / speed) if delayed is not None else done
     return Estimate(
         basis=(f"{rate.tokens_per_s:.1f} tokens/s measured over {rate.batches} batch(es); output "
                f"bounded by max_tokens ({work.unbounded_requests} line(s) without: "
                f"{rate.output_tokens_per_request:.0f} tokens each, measured)"),
         tokens=tokens, ahead_tokens=ahead_tokens, tokens_per_s=round(rate.tokens_per_s, 3),
         seconds=round(seconds, 1), completion_at=done, feasible=feasible,
-        earliest_window=None if feasible else window_for(done - submitted_at),
+        earliest_window=None if feasible else window_for(window_end - submitted_at),
+        would_delay_deadline=delayed,
     )

@@ -234,15 +234,13 @@ def validate_batch(
             message = str(exc) if isinstance(exc, StorageError) else f"cannot read {input_uri}: {exc}"
             report.add_error(None, storage_error_code(exc), one_line(message), "input_uri")
     judged: Estimate | None = None
+    work = Work(report.total_requests, report.total_bytes, report.max_output_tokens,
+                report.unbounded_requests)
     if admission is not None and report.ok and report.model and admission.mode != "off":
-        judged = admission.judge(report.model, Work(report.total_requests, report.total_bytes,
-                                                    report.max_output_tokens, report.unbounded_requests),
-                                 batch_id, created_at, deadline(created_at, completion_window), time.time())
+        judged = admission.judge(report.model, work, batch_id, created_at,
+                                 deadline(created_at, completion_window), time.time())
         if judged.feasible is False:
-            late = (f"at {judged.tokens_per_s} tokens/s, behind {judged.ahead_tokens} tokens of "
-                    f"earlier-deadline work, its {judged.tokens} tokens would be done {judged.seconds:.0f} s "
-                    f"from now, after its window ends; the shortest window that would be met is "
-                    f"{judged.earliest_window}")
+            late = judged.why_late()
             if admission.mode == "refuse":
                 report.add_error(None, ValidationCode.WINDOW_INFEASIBLE,
                                  f"{late}: ask for completion_window {judged.earliest_window} or more",
@@ -269,7 +267,7 @@ def validate_batch(
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
     if judged is not None:
-        admission.admit(report.model, batch_id, deadline(created_at, completion_window), judged)
+        admission.admit(report.model, batch_id, deadline(created_at, completion_window), work)
     order_uri, groups, shared = None, 0, 0
     if signatures is not None and signatures.dropped_at is not None:
         log.info("prefix grouping skipped: the batch has %d requests, over the %d that are grouped "
