@@ -55,6 +55,11 @@ def endpoint_key(model: str, endpoint: str) -> str:
     return f"{model} @ {endpoint}"
 
 
+def endpoint_label(endpoint: str | None, inference_conn_id: str | None) -> str:
+    """The endpoint half of a key, as the DAG's params name it: its URL, else ``conn:<id>``."""
+    return endpoint or f"conn:{inference_conn_id}"
+
+
 def _slug(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
@@ -160,6 +165,8 @@ class Work:
 class Estimate:
     basis: str
     tokens: int | None = None
+    input_tokens: int | None = None  # of tokens: its size at the measured tokens per byte
+    output_tokens: int | None = None  # of tokens: the bound (max_tokens, or the measured mean)
     ahead_tokens: int = 0
     tokens_per_s: float | None = None
     seconds: float | None = None
@@ -207,11 +214,15 @@ class Admission:
         enqueue(self.storage, self.state_root, endpoint_key(model, self.endpoint), batch_id, deadline, work)
 
 
+def token_split(work: Work, rate: Rate) -> tuple[int, int]:
+    """A batch's (input, output) tokens: its size at the measured input tokens per byte, its output
+    bounded by its lines' max_tokens (the measured mean for a line without)."""
+    return (round(work.input_bytes * rate.input_tokens_per_byte),
+            round(work.max_output_tokens + work.unbounded_requests * rate.output_tokens_per_request))
+
+
 def work_tokens(work: Work, rate: Rate) -> int:
-    """A batch's tokens: its size at the measured input tokens per byte, its output bounded by its
-    lines' max_tokens (the measured mean for a line without)."""
-    return round(work.input_bytes * rate.input_tokens_per_byte + work.max_output_tokens
-                 + work.unbounded_requests * rate.output_tokens_per_request)
+    return sum(token_split(work, rate))
 
 
 def window_for(seconds: float) -> str:
@@ -231,7 +242,8 @@ def estimate(work: Work, rate: Rate | None, queue: list[tuple[int, int]], now: f
         return Estimate(basis="no measurement yet for this model and endpoint: no estimate until a "
                               "batch has run there", ahead_tokens=ahead_tokens)
     speed = rate.tokens_per_s
-    tokens = work_tokens(work, rate)
+    input_tokens, output_tokens = token_split(work, rate)
+    tokens = input_tokens + output_tokens
     seconds = (tokens + ahead_tokens) / speed
     done = math.ceil(now + seconds)
     feasible, delayed = done <= deadline, None
@@ -246,7 +258,8 @@ def estimate(work: Work, rate: Rate | None, queue: list[tuple[int, int]], now: f
         basis=(f"{rate.tokens_per_s:.1f} tokens/s measured over {rate.batches} batch(es); output "
                f"bounded by max_tokens ({work.unbounded_requests} line(s) without: "
                f"{rate.output_tokens_per_request:.0f} tokens each, measured)"),
-        tokens=tokens, ahead_tokens=ahead_tokens, tokens_per_s=round(rate.tokens_per_s, 3),
+        tokens=tokens, input_tokens=input_tokens, output_tokens=output_tokens, ahead_tokens=ahead_tokens,
+        tokens_per_s=round(rate.tokens_per_s, 3),
         seconds=round(seconds, 1), completion_at=done, feasible=feasible,
         earliest_window=None if feasible else window_for(window_end - submitted_at),
         would_delay_deadline=delayed,

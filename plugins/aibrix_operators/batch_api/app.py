@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from aibrix_operators.batch.admission import Admission, Estimate, Work, endpoint_label
 from aibrix_operators.batch.job import request_cancel, work_prefix
 from aibrix_operators.batch.lifecycle import TERMINAL, BatchStatus
 from aibrix_operators.batch_api import schemas
@@ -40,6 +41,7 @@ from aibrix_operators.batch_api.batches import (
     request_digest,
     route_for,
 )
+from aibrix_operators.batch_api.dry_run import dry_run_answer
 from aibrix_operators.batch_api.errors import ApiError, bad_request, error_body, not_found
 from aibrix_operators.batch_api.extensions import OUTPUT_EXPIRES_AT
 from aibrix_operators.batch_api.files import FileStore, StoredFile
@@ -77,6 +79,8 @@ class ApiContext:
     load_keyring: Callable[[], dict[str, str]]
     # HMAC key of the per-tenant vLLM cache_salt (batch_api/tenant_salt.py); None: no salt.
     cache_salt_key: bytes | None = None
+    # The deployment's state root (batch/admission.py's rates and queue); None: no estimates.
+    state: Storage | None = None
 
     def __post_init__(self) -> None:
         self.files = FileStore(self.storage, self.settings.storage_root)
@@ -254,6 +258,29 @@ def create_app(context_factory: Callable[[], ApiContext]) -> FastAPI:
                            "idempotency_conflict", "Idempotency-Key")
         log.info("tenant %s %s batch %s", tenant, "created" if created else "re-requested", batch_id)
         return _view(ctx, tenant, row)
+
+    @app.post("/v1/batches/estimate", response_model=schemas.BatchEstimate,
+              responses=schemas.error_responses(400, 401))
+    def estimate_batch(body: schemas.EstimateRequest, tenant: Tenant) -> dict[str, Any]:
+        """A dry run's estimate (docs/admission.md): when a batch of this much work would be done if
+        submitted now, and what it would cost; nothing is created or sent. The client counts the
+        work from the file (``aibrix-batch create --dry-run``); the rate and the queue are the
+        deployment's."""
+        ctx = context()
+        endpoint = check_endpoint(body.endpoint)
+        window_s = check_window(body.completion_window, ctx.settings.min_window_s)
+        model, route = route_for(ctx.settings, body.model, _adapter_bases())
+        if model is None:
+            raise bad_request("model is required", "model", "model_not_found")
+        work = Work(**body.work.model_dump())
+        now = time.time()
+        judged: Estimate | None = None
+        if ctx.state is not None and ctx.settings.state_root:
+            admission = Admission(ctx.state, ctx.settings.state_root, endpoint_label(route.endpoint,
+                                  route.inference_conn_id), ctx.settings.admission)
+            judged = admission.judge(model, work, "dry-run", int(now), int(now) + window_s, now)
+        log.info("tenant %s asked for an estimate of %d requests for %s", tenant, work.requests, model)
+        return dry_run_answer(model, endpoint, body.completion_window, work, judged, ctx.settings.prices)
 
     @app.get("/v1/batches", response_model=schemas.BatchList, responses=common)
     def list_batches(

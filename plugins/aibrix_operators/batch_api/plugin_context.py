@@ -37,10 +37,23 @@ def build_context() -> ApiContext:
         os.makedirs(settings.storage_root, exist_ok=True)
     salt_key = load_cache_salt_key(conf.get(SECTION, "api_cache_salt", fallback=None), _salt_variable,
                                    _store_salt_variable)
-    context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring, salt_key)
+    context = ApiContext(settings, storage_for(settings.storage_root, client), load_keyring, salt_key,
+                         state=_state_storage(settings.state_root, settings.state_aws_conn_id))
     if conf.getboolean(SECTION, "api_gc_tuning", fallback=True):
         tune_gc()
     return context
+
+
+def _state_storage(root: str | None, aws_conn_id: str | None) -> Any:
+    """The deployment's state root (rates, the admission queue: batch/admission.py), or None."""
+    if not root:
+        return None
+    client: Any = None
+    if is_s3(root) and aws_conn_id:
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+        client = S3Hook(aws_conn_id=aws_conn_id).get_conn()
+    return storage_for(root, client)
 
 
 # Young-generation threshold (CPython's default is 700 allocations).

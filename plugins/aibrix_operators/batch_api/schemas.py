@@ -136,5 +136,33 @@ class CreateBatch(BaseModel):
     stop_rules: dict[str, Any] | None = None
 
 
+class EstimateWork(BaseModel):
+    """What a dry run counted in the batch file (the client counts it; batch/admission.Work)."""
+
+    requests: int = Field(ge=0)
+    input_bytes: int = Field(ge=0)
+    max_output_tokens: int = Field(ge=0)
+    unbounded_requests: int = Field(ge=0)
+
+
+class EstimateRequest(BaseModel):
+    """Not OpenAI's: a dry run (docs/admission.md#dry-run)."""
+
+    model: str = Field(max_length=200)
+    endpoint: str = Field(max_length=200)
+    completion_window: str = Field(max_length=20)
+    work: EstimateWork
+
+
+class BatchEstimate(BaseModel):
+    object: Literal["batch.estimate"]
+    model: str
+    endpoint: str
+    completion_window: str
+    work: EstimateWork
+    estimate: dict[str, Any]
+    cost: dict[str, Any] | None = None
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody} for code in codes}

@@ -31,6 +31,7 @@ from aibrix_operators.batch.records import (
     DEFAULT_MIN_COMPLETION_WINDOW,
     parse_completion_window,
 )
+from aibrix_operators.settings.admission import parse_admission_mode
 from aibrix_operators.settings.completion_window import min_completion_window_s
 from aibrix_operators.settings.job_pool import job_pool_limits
 from aibrix_operators.settings.stop_rules import parse_max_batch_tokens
@@ -78,6 +79,9 @@ class ApiSettings:
     # The deployment's state root ([aibrix_batch] state_root, settings/locations.py); None: this
     # deployment deletes no outputs, and a batch asking for output_expires_after is refused.
     state_root: str | None = None
+    state_aws_conn_id: str | None = None
+    # What an infeasible window gets ([aibrix_batch] admission, settings/admission.py), for estimates.
+    admission: str = "warn"
     # The deployment's prices ([aibrix_batch] prices, batch/cost.py); None: no cost lines.
     prices: Prices | None = None
 
@@ -131,5 +135,7 @@ def load_settings(get: Callable[[str], str | None], default_root: Path,
         min_window_s=min_completion_window_s(get),
         max_batch_tokens=parse_max_batch_tokens(get("max_batch_tokens")),
         state_root=(get("state_root") or "").strip() or None,
+        state_aws_conn_id=(get("state_aws_conn_id") or "").strip() or None,
+        admission=parse_admission_mode(get("admission")),
         prices=parse_prices(get("prices")),
     )

@@ -99,7 +99,22 @@ class BatchClient:
             input_file_id=input_file_id, endpoint=endpoint,  # type: ignore[arg-type]
             completion_window=completion_window,  # type: ignore[arg-type]
             metadata=metadata, extra_headers=headers,
-            extra_body={k: v for k, v in (("pool", pool_body), ("stop_rules", rules_body)) if v} or None)
+            extra_body={k: v for k, v in (("pool", pool_body), ("stop_rules", rules_body)) if v} or None,
+        )
+
+    def dry_run(
+        self, input_file: str | os.PathLike[str], *, completion_window: str = DEFAULT_COMPLETION_WINDOW,
+        endpoint: str | None = None,
+    ) -> dict[str, Any]:
+        """Check the file as ``create_batch`` does, then ask the deployment when a batch of that much
+        work would be done and what it would cost (``POST /v1/batches/estimate``): nothing is
+        uploaded, created or sent to a model. The answer's ``work`` is what this client counted."""
+        report = checked_report(input_file, endpoint)
+        body = {"model": report.model, "endpoint": report.endpoint, "completion_window": completion_window,
+                "work": {"requests": report.total_requests, "input_bytes": report.total_bytes,
+                         "max_output_tokens": report.max_output_tokens,
+                         "unbounded_requests": report.unbounded_requests}}
+        return self.openai.post("/batches/estimate", body=body, cast_to=object)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ follow
     def retrieve(self, batch_id: str) -> Batch:
@@ -312,7 +327,14 @@ SHOWN_ERRORS = 20  # listed in the error message; the rest are counted
 
 def check_input_file(path: str | os.PathLike[str], endpoint: str | None = None) -> int:
     """Check every line of a batch file as the server will, before it is uploaded; the number
-    of requests. Raises InputFileError listing the bad lines (line number, what, how to fix).
+    of requests (``checked_report``'s)."""
+    return checked_report(path, endpoint).total_requests
+
+
+def checked_report(path: str | os.PathLike[str], endpoint: str | None = None) -> Any:
+    """Every line of a batch file checked as the server will: the validation report (requests,
+    bytes, the output bound: what a dry run sends for an estimate). Raises InputFileError listing
+    the bad lines (line number, what, how to fix).
 
     The server's own validator (``batch/validation.py``, no Airflow), streamed: the file is
     read line by line and never held; what grows with it is 16 bytes per request (the id
@@ -331,7 +353,7 @@ def check_input_file(path: str | os.PathLike[str], endpoint: str | None = None) 
         report = validate_stream(stream, endpoint, limits, reopen=lambda: open(path, "rb"))
     found = [e for e in report.errors if e.code not in DEPLOYMENT_RULES]
     if not found:
-        return report.total_requests
+        return report
     found.sort(key=lambda e: e.line or 0)
     unlisted = report.error_count - len(report.errors)
     lines = [f"{path} is not a valid batch file, so nothing was uploaded; fix "

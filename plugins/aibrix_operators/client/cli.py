@@ -111,6 +111,9 @@ def build_parser() -> Parser:
                         help="answers before --max-error-rate is judged (default 100)")
     create.add_argument("--max-total-tokens", type=int, metavar="N",
                         help="stop the batch once it used N tokens (input + output)")
+    create.add_argument("--dry-run", action="store_true",
+                        help="check the file and print when the batch would be done and what it would cost "
+                             "at the deployment's measured rate; nothing is uploaded or sent")
     create.add_argument("--wait", action="store_true", help="follow the batch until it ends")
     status = verb("status", "show a batch's status and progress",
                   f"{PROG} status batch_0a750e3a913c42cf9aa498ddbbbcaf08 --watch")
@@ -193,6 +196,23 @@ def describe_batch(batch: Any) -> str:
     return "\n".join(lines)
 
 
+def describe_dry_run(answer: dict[str, Any]) -> str:
+    """A dry run's answer for people: the work, the estimate, the cost; nothing was sent."""
+    work, estimate = answer["work"], answer["estimate"]
+    lines = [f"dry run: nothing uploaded or sent ({answer['model']}, {answer['endpoint']}, "
+             f"window {answer['completion_window']})",
+             f"  requests   {work['requests']}, {work['input_bytes']} bytes",
+             f"  output     at most {work['max_output_tokens']} tokens by max_tokens"
+             + (f", {n} line(s) without max_tokens" if (n := work["unbounded_requests"]) else "")]
+    if estimate.get("tokens") is not None:
+        lines.append(f"  tokens     {estimate['input_tokens']} input (from bytes) + "
+                     f"{estimate['output_tokens']} output at most, behind {estimate['ahead_tokens']} queued")
+    lines.append("  estimate   " + describe_estimate(estimate))
+    if cost := describe_cost(answer.get("cost")):
+        lines.append(f"  cost       at most {cost}")
+    return "\n".join(lines)
+
+
 def describe_estimate(estimate: dict[str, Any]) -> str:
     """When the batch will be done and on what basis; a window it will not meet says so."""
     when = estimate.get("completion_at")
@@ -248,6 +268,10 @@ def _stop_rules(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def cmd_create(client: Any, args: argparse.Namespace, out: Out) -> ExitCode:
+    if args.dry_run:
+        answer = client.dry_run(args.input, completion_window=args.window, endpoint=args.endpoint)
+        print(json.dumps(answer) if out.as_json else describe_dry_run(answer), flush=True)
+        return ExitCode.OK
     metadata = parse_metadata(args.metadata)
     size = os.path.getsize(args.input) if os.path.isfile(args.input) else 0
     upload_bar = TransferBar(f"uploading {os.path.basename(args.input)}", size,

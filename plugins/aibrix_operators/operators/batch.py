@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from aibrix_operators.batch.admission import Admission
+from aibrix_operators.batch.admission import Admission, endpoint_label
 from aibrix_operators.batch.deadline import submitted_at
 from aibrix_operators.batch.error_codes import BatchFailure, ValidationCode
 from aibrix_operators.batch.failures import (
@@ -223,9 +223,8 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         root = configured("state_root")
         if root is None:
             return None
-        endpoint = self.endpoint or f"conn:{self.inference_conn_id}"
-        return Admission(BatchStorageHook(state_aws_conn_id()).storage_for(root), root.rstrip("/"), endpoint,
-                         load_admission_mode())
+        return Admission(BatchStorageHook(state_aws_conn_id()).storage_for(root), root.rstrip("/"),
+                         endpoint_label(self.endpoint, self.inference_conn_id), load_admission_mode())
 
     def _fail(
         self, context: Context, batch_id: str, metadata: dict[str, str], code: str, message: str,
