@@ -31,7 +31,10 @@ with DAG(
         "input_file": Param(type="string", description="a JSONL batch file the workers can read"),
         "model": Param(type="string", description="the model every line names"),
         "report": Param("", type="string", description="where the score task writes its summary"),
+        "stop_rules": Param({}, type="object", description='e.g. {"max_error_rate": 0.2}: stop the batch '
+                                                            "early (docs/stop-rules.md)"),
     },
+    render_template_as_native_obj=True,  # stop_rules reaches the operator as an object
     tags=["aibrix", "example"],
 ) as dag:
     answer = AIBrixBatchOperator(
@@ -40,6 +43,7 @@ with DAG(
         model="{{ params.model }}",
         completion_window="24h",
         metadata={"team": "examples"},
+        stop_rules="{{ params.stop_rules }}",
         outlets=[ANSWERS],
         # A lost worker or an API that did not answer: the next try re-attaches to the batch.
         retries=2,

@@ -73,9 +73,13 @@ def test_a_lost_create_answer_is_re_attached_not_sent_again(fake, user_env, tmp_
     before = len(asset_events(user_env))
 
     proc = run_example(user_env, fake, {"input_file": str(input_file), "model": SERVED_NAME,
-                                                    "report": str(report)}, tmp_path / "dags-test.log")
+                                        "report": str(report), "stop_rules": {"max_error_rate": 0.5}},
+                       tmp_path / "dags-test.log")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert len(fake.batches.creates) == 1, fake.batches.creates  # one batch, whatever the tries
+    # The DAG's stop rules reach the API as its extension (checked by the client first).
+    assert fake.batches.creates[0]["stop_rules"] == {"max_error_rate": 0.5, "error_rate_min_sample": 100,
+                                                     "max_total_tokens": None}
     assert len(fake.batches.files) == 2  # the input once, the output once
     assert "re-attaching to batch batch_000001" in proc.stdout + proc.stderr
 
