@@ -19,6 +19,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from aibrix_operators.local_airflow import airflow_cli
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from tests.fake_openai import FakeOpenAI
 from tests.integration.services import S3Server, start_seaweedfs, stop_group
 
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
@@ -62,6 +63,16 @@ def airflow_session_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     migrated = airflow_cli(env, "db", "migrate")
     assert migrated.returncode == 0, migrated.stderr[-3000:]
     return env
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeOpenAI]:
+    """The fake OpenAI server (tests/fake_openai.py) serving SERVED_NAME, on 127.0.0.1, per test."""
+    server = FakeOpenAI(model=SERVED_NAME).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

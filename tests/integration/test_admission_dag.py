@@ -7,25 +7,14 @@ that would be met; a batch with that window is admitted with an estimate, kept i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
 from aibrix_operators.batch.admission import endpoint_key, read_rate
 from aibrix_operators.storage import LocalStorage
-from tests.fake_openai import FakeOpenAI
 from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, write_jsonl
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI(model=SERVED_NAME).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_a_measured_rate_refuses_a_window_it_cannot_meet_and_admits_one_it_can(

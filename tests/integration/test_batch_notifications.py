@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI
 from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -54,15 +53,6 @@ def receiver() -> Iterator[Receiver]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI(model=SERVED_NAME).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def asset_events(env: dict[str, str], batch_id: str) -> list[dict]:

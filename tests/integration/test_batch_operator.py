@@ -9,7 +9,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,9 @@ def user_env(airflow_session_env, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI(model=SERVED_NAME).start()
-    server.batches.key = KEY
-    try:
-        yield server
-    finally:
-        server.stop()
+def fake(fake: FakeOpenAI) -> FakeOpenAI:
+    fake.batches.key = KEY  # its Batch API wants this key (the connection's)
+    return fake
 
 
 def run_example(env: dict[str, str], fake: FakeOpenAI, conf: dict, log: Path) -> subprocess.CompletedProcess:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,11 @@ import pytest
 from aibrix_operators.batch.output_expiry import ExpiryRecord, write_record
 from aibrix_operators.localenv import REPO_ROOT
 from aibrix_operators.storage import LocalStorage
-from tests.fake_openai import FakeOpenAI
 from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests, dags_test
 
 pytestmark = pytest.mark.e2e
 
 HOUR = 3600
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI(model=SERVED_NAME).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def cleanup_dag(env: dict[str, str], log_dir: Path) -> subprocess.CompletedProcess:
