@@ -70,6 +70,16 @@ async def recorder():
         await r.server.close()
 
 
+def posts(recorder: Recorder) -> list[tuple[str, str | None]]:
+    """The requests' (path, Authorization); the driver's GETs of the endpoint's ``/metrics`` (its
+    token counters, driver/engine_time.py) are checked on their own by ``scrapes``."""
+    return [(path, auth) for method, path, auth in recorder.seen if method == "POST"]
+
+
+def scrapes(recorder: Recorder) -> list[tuple[str, str | None]]:
+    return [(path, auth) for method, path, auth in recorder.seen if method == "GET"]
+
+
 def chat(cid: str) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}  # fmt: skip
@@ -102,7 +112,8 @@ async def test_a_path_prefix_cannot_be_escaped(recorder, escape, tmp_path):
     policy.check_endpoint(f"{server.url}/team-a")
     storage, shard = LocalStorage(), write_shard(tmp_path, [chat("ok")])
     await run_shard(storage, shard, str(tmp_path / "results"), config(f"{server.url}/team-a"))
-    assert [path for _, path, _ in server.seen] == ["/team-a/v1/chat/completions"]
+    assert [path for path, _ in posts(server)] == ["/team-a/v1/chat/completions"]
+    assert {path for path, _ in scrapes(server)} == {"/team-a/metrics"}  # under the prefix too
     assert results_by_id(storage, str(tmp_path / "results"), shard)["ok"]["error"] is None
 
 
@@ -121,7 +132,7 @@ async def test_a_redirect_is_never_followed(recorder, tmp_path, caplog):
         # Where it pointed is in the task log, not in the line a (Batch API) submitter reads.
         assert "redirects are not followed" in message and "127.0.0.1" not in message
     assert elsewhere.url in caplog.text
-    assert [m for m, _, _ in allowed.seen] == ["POST"] * 5
+    assert len(posts(allowed)) == 5 and {p for p, _ in scrapes(allowed)} == {"/metrics"}
 
 
 async def test_the_key_goes_only_to_its_base_url(recorder, tmp_path):
@@ -131,11 +142,14 @@ async def test_the_key_goes_only_to_its_base_url(recorder, tmp_path):
     for i, endpoint in enumerate([f"{server.url}/team-a", f"{server.url}/team-b", server.url]):
         shard = write_shard(tmp_path / str(i), [chat(f"k{i}")])
         await run_shard(storage, shard, str(tmp_path / str(i) / "results"), config(endpoint, **bound))
-    assert [(path, auth) for _, path, auth in server.seen] == [
+    assert posts(server) == [
         ("/team-a/v1/chat/completions", "Bearer sk-team-a"),
         ("/team-b/v1/chat/completions", None),  # same origin, another base path: no key
         ("/v1/chat/completions", None),
     ]
+    # The scrapes of each endpoint's counters (before and after sending) follow the same rule.
+    assert scrapes(server) == ([("/team-a/metrics", "Bearer sk-team-a")] * 2 + [("/team-b/metrics", None)] * 2
+                               + [("/metrics", None)] * 2)
     # A query or fragment cannot swallow the request path to reach another route with the key.
     for smuggle in ("/team-a?x=", "/team-a#", "/team-a/..%2fv1/load_lora_adapter?x="):
         with pytest.raises(ValueError):
