@@ -196,6 +196,7 @@ def validate_stream(
     peek = getattr(stream, "peek", None)
     line_no = 0
     total_bytes = 0
+    output_bound = unbounded = 0
     last_had_newline = True
     # Hot loop: one pass per line, so everything it touches is a local.
     max_file_bytes = limits.max_file_bytes
@@ -274,10 +275,15 @@ def validate_stream(
             continue
         custom_id = _check_record(record, line_no, report, err)
         if custom_id is not None:
-            if (bound := output_limit(record.get("body"))) is None:
-                report.unbounded_requests += 1
+            # The output bound (batch/admission.py), the common case inline: this runs once a line.
+            body = record.get("body")
+            bound = body.get("max_tokens") if type(body) is dict else None
+            if type(bound) is not int or bound < 0:
+                bound = output_limit(body)
+            if bound is None:
+                unbounded += 1
             else:
-                report.max_output_tokens += bound
+                output_bound += bound
             add_hash(hash(custom_id))
             add_line(line_no)
             if len(id_hashes) == spill_at:
@@ -288,6 +294,7 @@ def validate_stream(
                 model_ids.append(_model_id(record, report))
 
     report.total_bytes = total_bytes
+    report.max_output_tokens, report.unbounded_requests = output_bound, unbounded
     if report.total_requests == 0 and report.error_count == 0:
         err.add(None, ValidationCode.EMPTY_FILE, "file holds no requests")
     for line, first, cid in duplicate_ids(ids, reopen, limits.max_line_bytes):
