@@ -279,3 +279,9 @@ def test_admission_replay_admits_refuses_and_scores_its_estimates(tmp_path: Path
     assert bench.main(["--seeds", "2", "--hours", "1", "--json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())[0]["seed"] == 2
     assert '"seed": 2' in capsys.readouterr().out
+
+
+def test_validate_pair_times_both_trees(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load("validate_pair")
+    assert bench.main(["--other", str(BENCH.parent / "plugins"), "--lines", "300", "--pairs", "1"]) == 0
+    assert "this / other (medians):" in capsys.readouterr().out
