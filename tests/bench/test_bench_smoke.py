@@ -281,6 +281,7 @@ def test_admission_replay_admits_refuses_and_scores_its_estimates(tmp_path: Path
     assert '"seed": 2' in capsys.readouterr().out
 
 
+@pytest.mark.service  # it starts the two trees' processes
 def test_validate_pair_times_both_trees(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load("validate_pair")
     assert bench.main(["--other", str(BENCH.parent / "plugins"), "--lines", "300", "--pairs", "1"]) == 0
