@@ -159,3 +159,25 @@ def test_the_deployment_mode_is_checked_by_name() -> None:
     assert parse_admission_mode(None) == "warn" and parse_admission_mode(" Refuse ") == "refuse"
     with pytest.raises(AdmissionSettingError, match=r"\[aibrix_batch\] admission = 'deny'"):
         parse_admission_mode("deny")
+
+
+def test_a_state_store_that_fails_admits_the_batch_and_says_why(tmp_path: Path) -> None:
+    class Down(LocalStorage):
+        def list(self, prefix_uri: str, after: str | None = None) -> list[str]:
+            raise OSError("the state store is down")
+
+        def exists(self, uri: str) -> bool:
+            raise OSError("the state store is down")
+
+        def read_bytes(self, uri: str) -> bytes:
+            raise OSError("the state store is down")
+
+        def write_bytes(self, uri: str, data: bytes) -> None:
+            raise OSError("the state store is down")
+
+    refuse = Admission(Down(), str(tmp_path / "state"), "http://127.0.0.1:8000", "refuse")
+    report, batch = validate_batch(LocalStorage(), _input(tmp_path, 10), str(tmp_path / "o"),
+                                   completion_window="1m", min_window_s=1, admission=refuse)
+    assert report.ok and batch is not None  # advice never loses a batch, even in refuse mode
+    assert batch.estimate["completion_at"] is None
+    assert "could not be read (the state store is down)" in batch.estimate["basis"]

@@ -97,10 +97,14 @@ def rate_uri(state_root: str, key: str) -> str:
 
 
 def read_rate(storage: Storage, state_root: str, key: str) -> Rate | None:
+    """The stored rate, or None when there is none (or it is not one); a store that cannot be read
+    raises (the estimate then says so, rather than "no measurement")."""
+    uri = rate_uri(state_root, key)
+    if not storage.exists(uri):
+        return None
     try:
-        data = json.loads(storage.read_bytes(rate_uri(state_root, key)))
-        rate = Rate(**data)
-    except (StorageError, OSError, ValueError, TypeError):
+        rate = Rate(**json.loads(storage.read_bytes(uri)))
+    except (ValueError, TypeError):
         return None
     return rate if rate.key == key and rate.tokens_per_s > 0 else None
 
@@ -204,14 +208,29 @@ class Admission:
 
     def judge(self, model: str, work: Work, batch_id: str, submitted_at: int, deadline: int,
               now: float) -> Estimate:
+        """The batch's estimate; one that cannot be made (the state root unreadable) says why and
+        admits the batch: an estimate is advice, never a reason to lose a batch."""
+        try:
+            return self._judge(model, work, batch_id, submitted_at, deadline, now)
+        except Exception as exc:  # noqa: BLE001 - a store outage must not fail or refuse a batch
+            return Estimate(basis=f"no estimate: the deployment's state could not be read ({exc})"[:500])
+
+    def _judge(self, model: str, work: Work, batch_id: str, submitted_at: int, deadline: int,
+               now: float) -> Estimate:
         key = endpoint_key(model, self.endpoint)
         rate = read_rate(self.storage, self.state_root, key)
         queue = [] if rate is None else queued_work(self.storage, self.state_root, key, now, batch_id, rate)
         return estimate(work, rate, queue, now, submitted_at, deadline)
 
-    def admit(self, model: str, batch_id: str, deadline: int, work: Work) -> None:
-        """Queue the admitted batch's work, for the batches judged after it."""
-        enqueue(self.storage, self.state_root, endpoint_key(model, self.endpoint), batch_id, deadline, work)
+    def admit(self, model: str, batch_id: str, deadline: int, work: Work) -> bool:
+        """Queue the admitted batch's work, for the batches judged after it; False when the store
+        would not take it (later estimates then miss this batch's work, nothing else)."""
+        try:
+            key = endpoint_key(model, self.endpoint)
+            enqueue(self.storage, self.state_root, key, batch_id, deadline, work)
+        except Exception:  # noqa: BLE001 - advice for later batches, never this batch's failure
+            return False
+        return True
 
 
 def token_split(work: Work, rate: Rate) -> tuple[int, int]:

@@ -266,8 +266,10 @@ def validate_batch(
     if report.adapter_counts and not by_model:
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
-    if judged is not None:
-        admission.admit(report.model, batch_id, deadline(created_at, completion_window), work)
+    due = deadline(created_at, completion_window)
+    if judged is not None and not admission.admit(report.model, batch_id, due, work):
+        log.warning("batch %s: the admission queue could not take its work; later estimates miss it",
+                    batch_id)
     order_uri, groups, shared = None, 0, 0
     if signatures is not None and signatures.dropped_at is not None:
         log.info("prefix grouping skipped: the batch has %d requests, over the %d that are grouped "
