@@ -17,6 +17,6 @@ ESTIMATE = "aibrix_estimate"
 # On a deployment that sets prices ([aibrix_batch] prices): what the batch cost (batch/cost.py), from its
 # usage so far while it runs, batch.json's at the end.
 COST = "aibrix_cost"
-# In batch.json (not the API's batch object): when the output and error files expire, for a batch
-# that asked for output_expires_after; the files API shows it as their expires_at.
+# Once it ended, for a batch that asked for output_expires_after: when its output and error files
+# expire (batch.json's, written by merge); the files API shows it as their expires_at too.
 OUTPUT_EXPIRES_AT = "aibrix_output_expires_at"

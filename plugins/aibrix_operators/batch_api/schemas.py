@@ -111,6 +111,8 @@ class Batch(BaseModel):
     aibrix_cost: dict[str, Any] | None = None
     # Not OpenAI's: until it ends, when the batch will be done and on what basis (docs/admission.md).
     aibrix_estimate: dict[str, Any] | None = None
+    # Not OpenAI's: once it ended, when its output files expire (output_expires_after).
+    aibrix_output_expires_at: int | None = None
 
 
 class BatchList(BaseModel):

@@ -122,6 +122,8 @@ def batch_object(snap: RunSnapshot, now: float | None = None, prices: Prices | N
         extensions.COST: published.get(extensions.COST) if status in TERMINAL
         else cost_line(snap.live_usage, prices),
         extensions.ESTIMATE: None if status in TERMINAL else _estimate(snap, counts, in_progress_at, now),
+        extensions.OUTPUT_EXPIRES_AT: published.get(extensions.OUTPUT_EXPIRES_AT)
+        if status in TERMINAL else None,
     }
 
 
