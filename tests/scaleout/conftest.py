@@ -46,6 +46,11 @@ EXECUTOR_ENV = {
         # the broker (a day later, at Celery's visibility timeout); the scheduler's heartbeat
         # timeout retries the task.
         "AIRFLOW__CELERY__TASK_ACKS_LATE": "False",
+        # A message the lost worker had taken but not started is not in the broker any more: the
+        # scheduler queues its task again once it sat queued this long (Airflow's default, 600 s,
+        # was the whole test's wait; docs/multi-node.md). Checked every 30 s, not 120.
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "120",
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "30",
     },
     "edge": {
         "AIRFLOW__CORE__EXECUTOR": "airflow.providers.edge3.executors.EdgeExecutor",
