@@ -204,6 +204,8 @@ def validate_batch(
         window_s = check_min_window(completion_window, min_window_s)
     except ValueError as exc:
         report.add_error(None, ValidationCode.INVALID_COMPLETION_WINDOW, str(exc), "completion_window")
+    # The batch's deadline, once (batch/deadline.py): admission, a failed record and the batch read it.
+    due = deadline(created_at, completion_window) if window_s else None
     rules: StopRules | None = None
     try:
         rules = StopRules.from_dict(stop_rules).within(max_batch_tokens)
@@ -237,8 +239,8 @@ def validate_batch(
     work = Work(report.total_requests, report.total_bytes, report.max_output_tokens,
                 report.unbounded_requests)
     if admission is not None and report.ok and report.model and admission.mode != "off":
-        judged = admission.judge(report.model, work, batch_id, created_at,
-                                 deadline(created_at, completion_window), time.time())
+        assert due is not None  # a valid report has a valid window
+        judged = admission.judge(report.model, work, batch_id, created_at, due, time.time())
         if judged.feasible is False:
             late = judged.why_late()
             if admission.mode == "refuse":
@@ -257,7 +259,7 @@ def validate_batch(
         batch = failed_batch(
             batch_id=batch_id, input_uri=input_uri, errors=report.as_openai_errors(),
             endpoint=report.endpoint or endpoint or "", completion_window=completion_window,
-            created_at=created_at, expires_at=deadline(created_at, completion_window) if window_s else None,
+            created_at=created_at, expires_at=due,
             total_requests=report.total_requests, metadata=metadata,
         )
         report.record = publish_failure(output_storage or storage, output_uri, batch)
@@ -266,7 +268,7 @@ def validate_batch(
     if report.adapter_counts and not by_model:
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
-    due = deadline(created_at, completion_window)
+    assert due is not None
     if judged is not None and not admission.admit(report.model, batch_id, due, work):
         log.warning("batch %s: the admission queue could not take its work; later estimates miss it",
                     batch_id)
@@ -288,7 +290,7 @@ def validate_batch(
     return report, ValidatedBatch(
         batch_id=batch_id, input_uri=input_uri, output_uri=output_uri, endpoint=report.endpoint,
         model=report.model, total_requests=report.total_requests, total_bytes=report.total_bytes,
-        created_at=created_at, expires_at=deadline(created_at, completion_window),
+        created_at=created_at, expires_at=due,
         completion_window=completion_window,
         metadata=metadata or {}, max_line_bytes=limits.max_line_bytes,
         last_request_line=report.last_request_line,
