@@ -28,8 +28,8 @@ def services(compose) -> dict:
 
 def test_the_stack_is_complete(services):
     assert {"postgres", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
-            "airflow-triggerer", "seaweedfs", "s3-init", "vllm", "vllm-gpu", "redis", "prometheus",
-            "grafana", "pushgateway"} <= set(services)
+            "airflow-triggerer", "airflow-worker", "broker", "seaweedfs", "s3-init", "vllm", "vllm-gpu",
+            "redis", "prometheus", "grafana", "pushgateway"} <= set(services)
     assert services["vllm-gpu"]["profiles"] == ["gpu"]
     airflow = services["airflow-scheduler"]["environment"]
     # The driver our pins install (requirements.txt: psycopg 3, SQLAlchemy 2.1's default), and
@@ -41,8 +41,35 @@ def test_the_stack_is_complete(services):
         "postgresql+psycopg", "psycopg", "asyncpg")
     url.get_dialect().import_dbapi()  # installed: ImportError otherwise
     async_url.get_dialect().import_dbapi()
-    assert airflow["AIRFLOW__CORE__EXECUTOR"] == EXECUTOR
     assert all(s.get("command") != ["standalone"] for s in services.values())
+
+
+def test_the_stack_runs_airflow_on_celery_as_the_multi_node_tier_does(services):
+    """Two Celery workers, their own Redis broker, results in PostgreSQL through a driver our pins
+    install, and the dispatch pool made at init. The Celery leg (tests/scaleout/) starts its
+    Airflow with this file's executor settings, so the tier tests these definitions."""
+    from tests.scaleout.conftest import EXECUTOR_ENV, result_backend_driver
+
+    airflow = services["airflow-scheduler"]["environment"]
+    assert airflow["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor" != EXECUTOR  # make run keeps Local
+    worker = services["airflow-worker"]
+    assert worker["command"] == ["celery", "worker"] and worker["deploy"]["replicas"] == 2
+    assert worker["environment"] == airflow  # one definition for every Airflow service
+    assert airflow["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://broker:")
+    assert "--appendonly" in services["broker"]["command"]  # queued tasks survive a broker restart
+    backend = make_url(re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1",
+                              airflow["AIRFLOW__CELERY__RESULT_BACKEND"].removeprefix("db+")))
+    backend.get_dialect().import_dbapi()
+    assert backend.get_dialect().driver == result_backend_driver() == "psycopg"
+    assert airflow["AIRFLOW__CELERY__TASK_ACKS_LATE"] == "False"
+    for key, value in EXECUTOR_ENV["celery"].items():
+        if key != "AIRFLOW__CELERY__WORKER_CONCURRENCY":  # the tier's nodes are smaller
+            assert airflow[key] == value, key
+    pool = airflow["AIRFLOW__AIBRIX_BATCH__DISPATCH_POOL"]
+    init = services["airflow-init"]["command"][-1]
+    slots = int(re.search(rf"airflow pools set {pool} (\d+) ", init)[1])
+    # Fewer slots than the workers' task slots: waiting shards wait in the scheduler (deadline order).
+    assert slots < worker["deploy"]["replicas"] * int(airflow["AIRFLOW__CELERY__WORKER_CONCURRENCY"])
 
 
 def test_every_image_is_pinned_or_built_here(services):

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from aibrix_operators.local_airflow import BIN, AirflowDeployment, start_airflow, wait_until
 from aibrix_operators.serving.local_vllm import stop_process_group
 from tests.integration.cluster_services import postgres, redis_broker
@@ -37,20 +39,33 @@ WORKER_CONCURRENCY = 2
 # The dispatch tasks' pool (deploy.md: fewer slots than the workers' task slots, so waiting
 # shards wait in the scheduler, ordered by deadline, not in the broker's queue).
 DISPATCH_POOL, DISPATCH_SLOTS = "scaleout_dispatch", 3
+# The CeleryExecutor's settings are docker-compose.yaml's own (the leg runs the compose stack's
+# definitions, as its services would start): the executor, what a lost worker's message does
+# (acknowledged when taken: never redelivered by the broker a day later; docs/multi-node.md),
+# task_queued_timeout 120 s checked every 30 s (a message the lost worker had taken but not
+# started runs again within 2.5 minutes, not Airflow's 10), and the result backend's driver.
+COMPOSE_CELERY_KEYS = ("AIRFLOW__CORE__EXECUTOR", "AIRFLOW__CELERY__TASK_ACKS_LATE",
+                       "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT",
+                       "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL")  # fmt: skip
+
+
+def compose_airflow_env() -> dict[str, str]:
+    """The environment docker-compose.yaml gives every Airflow service (x-airflow-common)."""
+    compose = yaml.safe_load((REPO / "docker-compose.yaml").read_text())
+    return {key: str(value) for key, value in compose["x-airflow-common"]["environment"].items()}
+
+
+def result_backend_driver() -> str:
+    """The SQLAlchemy driver of compose's Celery result backend (``db+postgresql+<driver>://``)."""
+    scheme = compose_airflow_env()["AIRFLOW__CELERY__RESULT_BACKEND"].split("://", 1)[0]
+    return scheme.removeprefix("db+postgresql").removeprefix("+")
+
+
 EXECUTOR_ENV = {
     "celery": {
-        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        **{key: compose_airflow_env()[key] for key in COMPOSE_CELERY_KEYS},
+        # The tier's own: two task slots a worker node (compose's workers have 8).
         "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(WORKER_CONCURRENCY),
-        # What the deployment sets for a lost worker (docs/multi-node.md): the message is
-        # acknowledged when a worker takes it, so a dead worker's message is never redelivered by
-        # the broker (a day later, at Celery's visibility timeout); the scheduler's heartbeat
-        # timeout retries the task.
-        "AIRFLOW__CELERY__TASK_ACKS_LATE": "False",
-        # A message the lost worker had taken but not started is not in the broker any more: the
-        # scheduler queues its task again once it sat queued this long (Airflow's default, 600 s,
-        # was the whole test's wait; docs/multi-node.md). Checked every 30 s, not 120.
-        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "120",
-        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "30",
     },
     "edge": {
         "AIRFLOW__CORE__EXECUTOR": "airflow.providers.edge3.executors.EdgeExecutor",
@@ -132,7 +147,7 @@ def running_cluster(executor: str, airflow_session_env: dict[str, str], root: Pa
                 env = {**airflow_session_env, **EXECUTOR_ENV[executor], "AIRFLOW_HOME": str(home),
                        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db.url(),
                        "AIRFLOW__CELERY__BROKER_URL": broker,
-                       "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + db.url(),
+                       "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + db.url(result_backend_driver()),
                        "AIRFLOW__API_AUTH__JWT_SECRET": JWT_SECRET,
                        "AIRFLOW__AIBRIX_BATCH__DISPATCH_POOL": DISPATCH_POOL,
                        # Only what the nodes share: S3 in and out, the endpoint on the bridge.
