@@ -172,6 +172,10 @@ class ObjectStore:
         self._objects: dict[Key, Obj] = {}
         self._rv = 0
         self._history: list[tuple[int, str, Key, Obj]] = []
+        # As etcd compacts and the watch cache holds a window: a watch from before the oldest
+        # event still held is a 410 Gone (ERROR event, reason Expired), as the API server answers.
+        self.history_limit = 10_000
+        self._compacted_rv = 0  # the newest resourceVersion no longer in the history
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Callable[[Key, Obj], bool]]] = []
         self._logs: dict[tuple[str, str], list[LogLine]] = {}
         self._log_closed: set[tuple[str, str]] = set()
@@ -183,6 +187,8 @@ class ObjectStore:
         obj["metadata"]["resourceVersion"] = str(self._rv)
         snapshot = copy.deepcopy(obj)
         self._history.append((self._rv, event, key, snapshot))
+        if len(self._history) > self.history_limit:
+            self._compacted_rv = self._history.pop(0)[0]
         for loop, queue, wants in list(self._watchers):
             if wants(key, snapshot):
                 loop.call_soon_threadsafe(queue.put_nowait, (event, snapshot))
@@ -262,10 +268,20 @@ class ObjectStore:
         return self._rv
 
     # watches
+    def compact(self) -> None:
+        """Drop the history up to now (etcd's compaction): older watches are 410 Gone."""
+        with self._lock:
+            self._compacted_rv = self._rv
+            self._history.clear()
+
     def subscribe(
         self, loop: asyncio.AbstractEventLoop, wants: Callable[[Key, Obj], bool], since_rv: int | None
     ) -> tuple[asyncio.Queue, list[tuple[str, Obj]]]:
+        """A watch's queue and its backlog; ApiError 410 for a ``since_rv`` compacted away."""
         with self._lock:
+            if since_rv is not None and since_rv < self._compacted_rv:
+                oldest = self._compacted_rv + 1
+                raise ApiError(410, "Expired", f"too old resource version: {since_rv} ({oldest})")
             queue: asyncio.Queue = asyncio.Queue()
             if since_rv is None:  # "start at most recent": synthetic ADDED for what exists
                 backlog = [("ADDED", copy.deepcopy(o)) for k, o in self._objects.items() if wants(k, o)]
@@ -503,9 +519,15 @@ class ApiServerDouble:
             await asyncio.sleep(timeout)
             return resp
         since = q.get("resourceVersion")
-        queue, backlog = self.store.subscribe(
-            asyncio.get_running_loop(), wants, int(since) if since not in (None, "", "0") else None
-        )
+        try:
+            queue, backlog = self.store.subscribe(
+                asyncio.get_running_loop(), wants, int(since) if since not in (None, "", "0") else None
+            )
+        except ApiError as exc:  # the API server answers an expired watch in the stream, not its status
+            status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                      "message": exc.message, "reason": exc.reason, "code": exc.code}  # fmt: skip
+            await resp.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+            return resp
         deadline = time.monotonic() + timeout
         try:
             for event, obj in backlog:

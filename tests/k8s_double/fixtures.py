@@ -2,7 +2,8 @@
 
 ``fake_cluster`` runs each test twice: pods as real containers of the built batch-driver image
 (podman), and pods as local processes. ``process_cluster`` is the process mode alone, for a test
-that needs what containers here do not model (say so in the test).
+that needs what containers here do not model (say so in the test); ``container_cluster`` the
+container mode alone, for what only a container models (a security context, limits).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def fake_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fak
     else:
         image = Image({"python": sys.executable})
     with FakeCluster(tmp_path / "k8s", images={LOCAL_PYTHON_IMAGE: image}) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def container_cluster(tmp_path: Path) -> Iterator[FakeCluster]:
+    """Container mode alone: for what only a container models (security context, limits)."""
+    images = {LOCAL_PYTHON_IMAGE: Image(container=driver_container_image())}
+    with FakeCluster(tmp_path / "k8s", images=images) as cluster:
         yield cluster
 
 

@@ -25,16 +25,18 @@ RUN_FLAGS = [
 
 
 def start(
-    name: str, image: str, command: list[str], args: list[str], env: dict[str, str], workdir: str | None
+    name: str, image: str, command: list[str], args: list[str], env: dict[str, str], workdir: str | None,
+    flags: list[str] = (),
 ) -> subprocess.Popen:
-    """Start the container of a pod: ``command`` replaces the image's ENTRYPOINT, ``args`` its CMD."""
+    """Start the container of a pod: ``command`` replaces the image's ENTRYPOINT, ``args`` its CMD;
+    ``flags`` are the pod's security context and limits (tests/k8s_double/security.py)."""
     # Secret values go through a private file, never the command line (ps would show them).
     env_dir = Path(tempfile.mkdtemp(prefix="pod-env-"))
     env_file = env_dir / "env"
     fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.writelines(f"{key}={value}\n" for key, value in env.items())
-    argv = [*PODMAN, "run", *RUN_FLAGS, "--name", name, "--env-file", str(env_file)]
+    argv = [*PODMAN, "run", *RUN_FLAGS, *flags, "--name", name, "--env-file", str(env_file)]
     if workdir:
         argv += ["--workdir", workdir]
     if command:

@@ -11,7 +11,7 @@ from kubernetes_asyncio import client as aclient
 from kubernetes_asyncio import config as aconfig
 
 from tests.k8s_double.api import field_selector_matches, label_selector_matches
-from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, fake_cluster  # noqa: F401 - fixture
+from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, fake_cluster, process_cluster  # noqa: F401 - fixture
 
 NS = "batch"
 
@@ -222,3 +222,25 @@ def test_a_write_with_a_stale_resource_version_is_a_conflict(fake_cluster) -> No
     current = {"metadata": {"resourceVersion": fresh.metadata.resource_version}, "data": {"k": "3"}}
     api.patch_namespaced_config_map("c", NS, current)
     assert api.read_namespaced_config_map("c", NS).data == {"k": "3"}
+
+
+@pytest.mark.service
+def test_a_watch_from_a_compacted_resource_version_is_gone(process_cluster) -> None:  # noqa: F811
+    """As the API server after etcd compacted: the watch answers ERROR 410 Expired in its stream
+    (the client raises it), and a fresh list gives a version to watch from again."""
+    api = core(process_cluster)
+    store = process_cluster.api.store
+    store.create("/api/v1/configmaps", NS, {"metadata": {"name": "a"}, "data": {}})
+    old = api.list_namespaced_config_map(NS).metadata.resource_version
+    store.create("/api/v1/configmaps", NS, {"metadata": {"name": "b"}, "data": {}})
+    store.compact()
+    with pytest.raises(ApiException) as gone:
+        for _ in watch.Watch().stream(api.list_namespaced_config_map, NS, resource_version=old,
+                                      timeout_seconds=2):
+            pass
+    assert gone.value.status == 410 and "too old resource version" in str(gone.value)
+    fresh = api.list_namespaced_config_map(NS).metadata.resource_version
+    store.create("/api/v1/configmaps", NS, {"metadata": {"name": "c"}, "data": {}})
+    events = [(e["type"], e["object"].metadata.name) for e in watch.Watch().stream(
+        api.list_namespaced_config_map, NS, resource_version=fresh, timeout_seconds=1)]
+    assert events == [("ADDED", "c")]
