@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from aibrix_operators.batch.prefixes import PrefixSignatures
+from aibrix_operators.batch.prefixes import PrefixSignatures, prefix_hashes
 from aibrix_operators.batch.shard_results import shard_result_log
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
-from aibrix_operators.driver.warmup import WarmupGate, prefix_hashes
+from aibrix_operators.driver.warmup import WarmupGate
 from aibrix_operators.storage import LocalStorage
 
 # ~1.3 KB templates: requests of one template share more than LEVELS[MIN_LEVEL] = 1024 bytes.

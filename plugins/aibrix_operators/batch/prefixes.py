@@ -28,6 +28,7 @@ import io
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,36 @@ LEVELS: tuple[int, ...] = (256, 1024, 4096, 16384)
 # arrays, 10,000,000 requests would cost the validating worker 300 MB and more. A batch that
 # large fills every server's queue on its own, so the order within it buys little.
 MAX_GROUPED_REQUESTS = 2_000_000
+
+
+def prompt_start(raw: bytes) -> int:
+    """Where a request line's prompt starts (its ``messages``, ``prompt`` or ``input`` key), or -1:
+    prefix hashes cover the line's bytes from there on."""
+    s = raw.find(b'"messages"')
+    if s < 0:
+        s = raw.find(b'"prompt"')
+        if s < 0:
+            s = raw.find(b'"input"')
+    return s
+
+
+def prefix_hashes(raw: bytes) -> tuple[int, ...]:
+    """The chained prefix hashes of one request line, exactly as ``PrefixSignatures.add``
+    computes them (0 where the prompt is shorter than the level): the driver's warm-up gate
+    matches requests by them."""
+    s = prompt_start(raw)
+    n = len(raw) - s if s >= 0 else 0
+    out = []
+    h: Any = None
+    prev_len = 0
+    for length in LEVELS:
+        if n < length:
+            break
+        block = raw[s + prev_len : s + length]
+        h = (hash((h, block)) if prev_len else hash(block)) or 1
+        out.append(h)
+        prev_len = length
+    return tuple(out) + (0,) * (len(LEVELS) - len(out))
 
 
 class PrefixSignatures:
@@ -75,11 +106,7 @@ class PrefixSignatures:
             return
         self.offsets.append(offset)
         self.end = offset + len(raw)
-        s = raw.find(b'"messages"')
-        if s < 0:
-            s = raw.find(b'"prompt"')
-            if s < 0:
-                s = raw.find(b'"input"')
+        s = prompt_start(raw)
         n = len(raw) - s if s >= 0 else 0
         # Chained: each level's hash covers every byte up to its length.
         if n < 256:

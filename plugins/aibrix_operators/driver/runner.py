@@ -23,6 +23,7 @@ from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
 from aibrix_operators.batch.error_codes import RequestError
 from aibrix_operators.batch.grouped_split import lines_uri
 from aibrix_operators.batch.jsonfast import dumps, loads
+from aibrix_operators.batch.prefixes import prefix_hashes
 from aibrix_operators.batch.records import Usage, error_record
 from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard
 from aibrix_operators.batch.stop_rules import StopTally
@@ -49,7 +50,7 @@ from aibrix_operators.driver.progress import ProgressReporter
 from aibrix_operators.driver.retry import backoff_delay
 from aibrix_operators.driver.shard_outcome import ShardChanged, ShardOutcome
 from aibrix_operators.driver.stop_watch import StopWatch, shard_stop_watch
-from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate, prefix_hashes
+from aibrix_operators.driver.warmup import DEFAULT_WAIT_S, WarmupGate
 from aibrix_operators.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -34,29 +34,6 @@ from aibrix_operators.batch.prefixes import LEVELS
 # LEVELS[1] = 1024 bytes (~250 tokens): the shortest shared prefix a follower waits for.
 MIN_LEVEL = 1
 DEFAULT_WAIT_S = 5.0
-_NONE = (0,) * len(LEVELS)
-
-
-def prefix_hashes(raw: bytes) -> tuple[int, ...]:
-    """The chained prefix hashes of one request line, exactly as ``PrefixSignatures.add``
-    computes them (0 where the prompt is shorter than the level)."""
-    s = raw.find(b'"messages"')
-    if s < 0:
-        s = raw.find(b'"prompt"')
-        if s < 0:
-            s = raw.find(b'"input"')
-    n = len(raw) - s if s >= 0 else 0
-    out = []
-    h: Any = None
-    prev_len = 0
-    for length in LEVELS:
-        if n < length:
-            break
-        block = raw[s + prev_len : s + length]
-        h = (hash((h, block)) if prev_len else hash(block)) or 1
-        out.append(h)
-        prev_len = length
-    return tuple(out) + _NONE[len(out) :]
 
 
 class Leader:
@@ -86,7 +63,7 @@ class WarmupGate:
         self.wait_s = wait_s
         self.max_parked = max_parked
         self._exhausted = False
-        self._prev: tuple[int, ...] = _NONE
+        self._prev: tuple[int, ...] = (0,) * len(LEVELS)
         self._leaders: list[Leader | None] = [None] * len(LEVELS)
         self._ready: deque[tuple[dict[str, Any], Leader | None]] = deque()
         self._wake = asyncio.Event()
