@@ -243,16 +243,13 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
             return self._finish_pod(context, request, event)
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)
+        target, cache_salt, capacity = self._where_requests_go(context)
         try:
-            # Checked again here, not only in validate: this is where the requests leave.
-            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
-            cache_salt = self._batch_salt(context)
-            capacity = capacity_for(target.endpoint, self.capacity_mode or None)
             # The worker's own environment never supplies a key (api_key_env=None): a key
             # comes only from the inference connection and is bound to its host.
             config = self._driver_config(target.endpoint, batch, cache_salt, capacity, api_key_env=None,
                                          api_key=target.api_key, api_key_origin=target.api_key_origin)
-        except (ValueError, TrustViolation) as exc:
+        except ValueError as exc:
             raise AirflowFailException(str(exc)) from exc
         prepare_adapter(shard, config, float(self.endpoint_wait_s))
         storage = self.hook.storage_for(shard.uri)
@@ -303,6 +300,17 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         if executor is not None:
             executor.on_kill()
 
+    def _where_requests_go(self, context: Context) -> tuple[Any, str | None, Any]:
+        """The inference target, this run's cache salt and the endpoint's capacity mode, for both
+        execution modes. The target is checked again here, not only in validate: this is where
+        the requests leave."""
+        try:
+            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
+            capacity = capacity_for(target.endpoint, self.capacity_mode or None)
+            return target, self._batch_salt(context), capacity
+        except (ValueError, TrustViolation) as exc:
+            raise AirflowFailException(str(exc)) from exc
+
     def _batch_salt(self, context: Context) -> str | None:
         """This run's salt: the tenant's, from a Batch API claim that verifies for this run id,
         else the ``cache_salt`` param in a namespace of its own (batch_api/tenant_salt.py).
@@ -319,12 +327,9 @@ class DispatchShardOperator(UsesBatchStorage, BaseOperator):
         """The same request on start and on resume: built from the task's (re-rendered) fields."""
         shard = ShardSpec.from_dict(self.shard)
         batch = ValidatedBatch.from_dict(self.validated)
+        target, cache_salt, capacity = self._where_requests_go(context)
+        memory = self.memory_per_job or None
         try:
-            # Checked again here, not only in validate: this is where the requests leave.
-            target = resolve_inference(load_policy(), self.endpoint or None, self.inference_conn_id)
-            cache_salt = self._batch_salt(context)
-            capacity = capacity_for(target.endpoint, self.capacity_mode or None)
-            memory = self.memory_per_job or None
             if memory is not None:  # checked again where it is used, as in validate
                 JobPool(memory_per_job=memory).check(load_job_pool_limits())
         except (ValueError, TrustViolation) as exc:
