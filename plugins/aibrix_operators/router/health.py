@@ -8,6 +8,7 @@ loop is what brings it back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 
@@ -104,7 +105,5 @@ class HealthChecker:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
