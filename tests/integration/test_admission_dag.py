@@ -1,7 +1,8 @@
 """Admission through Airflow (issue 40): a first batch on an endpoint is admitted with "no measurement
 yet" and, at merge, teaches the deployment the endpoint's rate; a batch whose window that rate cannot
 meet is then refused in validation (the deployment refuses such windows), naming the shortest window
-that would be met; a batch with that window is admitted with an estimate, kept in its batch.json.
+that would be met; a dry run of it (the dry_run param) says the same and sends nothing; a batch with
+that window is admitted with an estimate, kept in its batch.json.
 `airflow dags test` against the fake OpenAI server (which reports vLLM's token counters)."""
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ def test_a_measured_rate_refuses_a_window_it_cannot_meet_and_admits_one_it_can(
     window = error["message"].rsplit("ask for completion_window ", 1)[1].split(" ")[0]
     assert window.endswith("m"), error["message"]
     assert sum(fake.counts().values()) == 60 + 0, "the refused batch sent nothing"
+
+    # A dry run of the same batch (the DAG's dry_run param): the run succeeds with its estimate in
+    # estimate.json, nothing split, sent or queued, and no batch.json (no batch was made).
+    dry_out = tmp_path / "dry"
+    proc = dags_test({**env, "AIRFLOW__AIBRIX_BATCH__PRICES": "input=1.0,output=2.0,currency=USD"},
+                     {"input_uri": str(tmp_path / "refused.jsonl"), "output_uri": str(dry_out),
+                      "endpoint": fake.url, "model": SERVED_NAME, "completion_window": "2s", "dry_run": True},
+                     tmp_path / "dry-logs")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads((dry_out / "estimate.json").read_text())
+    assert answer["work"]["requests"] == 1000 and answer["work"]["max_output_tokens"] == 1000 * 8
+    assert answer["estimate"]["feasible"] is False and answer["estimate"]["earliest_window"] == window
+    assert answer["cost"]["currency"] == "USD" and answer["cost"]["total"] > 0, answer["cost"]
+    assert not (dry_out / "batch.json").exists() and not any((state / "queue").rglob("*.json"))
+    assert sum(fake.counts().values()) == 60, "the dry run sent nothing"
 
     admitted = run("admitted", 200, window, delay="0.005")
     assert admitted["status"] == "completed"

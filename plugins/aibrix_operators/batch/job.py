@@ -148,6 +148,7 @@ def validate_batch(
     max_batch_tokens: int | None = None,
     output_expires_after: dict[str, Any] | None = None,
     admission: Admission | None = None,
+    dry_run: bool = False,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -185,13 +186,17 @@ def validate_batch(
     ``admission``: judge the valid batch's window at the endpoint's measured rate (batch/admission.py):
     admitted with its estimate (and queued), or, when the deployment refuses infeasible windows and
     this one is, failed with ``window_infeasible`` naming the shortest window that would be met.
+
+    ``dry_run``: validate and estimate only (docs/admission.md#dry-run): the batch is judged at
+    the measured rate whatever the admission mode, never queued nor refused for its window (the
+    estimate says whether it would be met), and no send order is written.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
-    by_model = bool(adapters) and prefix_order_uri is not None
+    by_model = bool(adapters) and prefix_order_uri is not None and not dry_run
     # By model there is no ceiling: a batch naming adapters must be split by adapter.
     signatures = (PrefixSignatures(max_requests=None if by_model else MAX_GROUPED_REQUESTS)
-                  if prefix_order_uri and (prefix_grouping == "auto" or by_model) else None)
+                  if prefix_order_uri and not dry_run and (prefix_grouping == "auto" or by_model) else None)
     model_ids = array("H") if by_model else None
     limits = limits or ValidationLimits()
     created_at = int(time.time()) if submitted_at is None else submitted_at
@@ -238,10 +243,10 @@ def validate_batch(
     judged: Estimate | None = None
     work = Work(report.total_requests, report.total_bytes, report.max_output_tokens,
                 report.unbounded_requests)
-    if admission is not None and report.ok and report.model and admission.mode != "off":
+    if admission is not None and report.ok and report.model and (admission.mode != "off" or dry_run):
         assert due is not None  # a valid report has a valid window
         judged = admission.judge(report.model, work, batch_id, created_at, due, time.time())
-        if judged.feasible is False:
+        if judged.feasible is False and not dry_run:
             late = judged.why_late()
             if admission.mode == "refuse":
                 report.add_error(None, ValidationCode.WINDOW_INFEASIBLE,
@@ -265,11 +270,11 @@ def validate_batch(
         report.record = publish_failure(output_storage or storage, output_uri, batch)
         return report, None
     assert report.endpoint is not None and report.model is not None and window_s is not None
-    if report.adapter_counts and not by_model:
+    if report.adapter_counts and not by_model and not dry_run:
         raise ValueError("a batch naming LoRA adapters is split by adapter: validate_batch needs a "
                          "prefix_order_uri for its send order")
     assert due is not None
-    if judged is not None and not admission.admit(report.model, batch_id, due, work):
+    if judged is not None and not dry_run and not admission.admit(report.model, batch_id, due, work):
         log.warning("batch %s: the admission queue could not take its work; later estimates miss it",
                     batch_id)
     order_uri, groups, shared = None, 0, 0

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aibrix_operators.batch.admission import Admission, Estimate, Work, endpoint_label
+from aibrix_operators.batch.dry_run import dry_run_answer
 from aibrix_operators.batch.job import request_cancel, work_prefix
 from aibrix_operators.batch.lifecycle import TERMINAL, BatchStatus
 from aibrix_operators.batch_api import schemas
@@ -41,7 +42,6 @@ from aibrix_operators.batch_api.batches import (
     request_digest,
     route_for,
 )
-from aibrix_operators.batch_api.dry_run import dry_run_answer
 from aibrix_operators.batch_api.errors import ApiError, bad_request, error_body, not_found
 from aibrix_operators.batch_api.extensions import OUTPUT_EXPIRES_AT
 from aibrix_operators.batch_api.files import FileStore, StoredFile

@@ -45,6 +45,7 @@ from aibrix_operators.hooks.batch_storage import BatchStorageHook, UsesBatchStor
 from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.operators.batch_end import engine_time, learn_and_leave, record_expiry
 from aibrix_operators.operators.batch_metrics import batch_published
+from aibrix_operators.operators.dry_run import end_dry_run
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.admission import load_admission_mode
@@ -96,12 +97,15 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
     :param output_expires_after: OpenAI's ``{"anchor": "created_at", "seconds": N}``: the output
         and error files are deleted N seconds after merge writes them (batch/output_expiry.py);
         None: kept. (templated)
+    :param dry_run: Validate and estimate only (operators/dry_run.py): the estimate goes to
+        ``<output_uri>/estimate.json`` and the task ends skipped, with every later step. (templated)
     """
 
     template_fields: Sequence[str] = (
         "input_uri", "output_uri", "batch_endpoint", "max_requests", "max_file_bytes",
         "max_line_bytes", "completion_window", "metadata", "expected_model", "aws_conn_id",
         "endpoint", "inference_conn_id", "prefix_grouping", "job_pool", "stop_rules", "output_expires_after",
+        "dry_run",
     )
 
     def __init__(
@@ -123,9 +127,11 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         job_pool: dict[str, Any] | None = None,
         stop_rules: dict[str, Any] | None = None,
         output_expires_after: dict[str, Any] | None = None,
+        dry_run: bool | str = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.dry_run = dry_run
         self.job_pool = job_pool
         self.stop_rules = stop_rules
         self.output_expires_after = output_expires_after
@@ -200,7 +206,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
             submitted_at=_submitted_at(context), stop_rules=self.stop_rules or None,
             max_batch_tokens=load_max_batch_tokens(), output_expires_after=self.output_expires_after or None,
-            admission=self._admission(),
+            admission=self._admission(), dry_run=self._is_dry_run(),
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
@@ -214,9 +220,16 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
         log.info("prefix grouping %s: %d request(s) share a prefix, %d shared prefix group(s)%s",
                  self.prefix_grouping, batch.prefix_shared_requests, batch.prefix_groups,
                  "; shards will hold whole groups" if batch.prefix_order_uri else "; input order kept")
+        if self._is_dry_run():
+            end_dry_run(context, report, batch, endpoint_label(self.endpoint, self.inference_conn_id),
+                        out_storage)
         batch_published(batch.batch_id, phase=BatchStatus.VALIDATING, requests=batch.total_requests,
                         created_at=batch.created_at, deadline=batch.expires_at)
         return batch.as_dict()
+
+    def _is_dry_run(self) -> bool:
+        # A rendered template is a string unless the DAG renders native objects.
+        return self.dry_run is True or str(self.dry_run).strip().lower() == "true"
 
     def _admission(self) -> Admission | None:
         """Where this batch is judged (batch/admission.py); None on a deployment without a state root."""

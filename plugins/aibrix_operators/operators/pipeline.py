@@ -157,6 +157,12 @@ BATCH_PARAMS: dict[str, Param] = {
         description="OpenAI's {\"anchor\": \"created_at\", \"seconds\": N} (3600 to 2592000): the output "
                     "and error files are deleted N seconds after they are written. Empty: kept.",
     ),
+    "dry_run": Param(
+        False, type="boolean",
+        description="Validate and estimate only (docs/admission.md#dry-run): the estimate (requests, "
+                    "tokens, duration at the measured rate, cost) goes to <output_uri>/estimate.json and "
+                    "every later step is skipped: nothing is split or sent.",
+    ),
 }
 
 
@@ -205,7 +211,7 @@ def add_batch_tasks(
         completion_window=a["completion_window"], metadata=a["metadata"], aws_conn_id=a["aws_conn_id"],
         endpoint=a["endpoint"], inference_conn_id=a["inference_conn_id"],
         prefix_grouping=a["prefix_grouping"], job_pool={k: a[k] for k in POOL_KEYS},
-        stop_rules=a["stop_rules"], output_expires_after=a["output_expires_after"],
+        stop_rules=a["stop_rules"], output_expires_after=a["output_expires_after"], dry_run=a["dry_run"],
     )  # fmt: skip
     split = SplitBatchOperator(
         task_id=Step.SPLIT.value, validated=validate.output, requests_per_shard=a["requests_per_shard"],
