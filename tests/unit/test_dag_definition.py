@@ -15,9 +15,14 @@ os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".work" / "airflow-unit"))
 
 @pytest.fixture(scope="module")
 def dag():
-    spec = importlib.util.spec_from_file_location("batch_inference_dag", REPO / "dags" / "batch_inference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # As parsed where the deployment scales serving roles (tests/unit/test_pipeline.py: without
+    # roles the three scaling tasks are not in the DAG).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW__AIBRIX_SCALING__ROLES", '{"decode": {"kind": "StormService", "name": "llm"}}')
+        spec = importlib.util.spec_from_file_location("batch_inference_dag",
+                                                      REPO / "dags" / "batch_inference.py")  # fmt: skip
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module.dag
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,29 @@ def _load(name: str) -> Any:
     return module
 
 
+# A deployment that scales serving roles: the DAGs then have every task of the pipeline.
+ROLES = '{"decode": {"kind": "StormService", "name": "llm"}}'
+
+
 @pytest.fixture(scope="module")
-def dags() -> tuple[Any, Any]:
-    batch = _load("batch_inference").dag
-    evals = [v for k, v in vars(_load("nightly_eval")).items() if k.startswith("nightly_eval__")]
+def dags() -> Iterator[tuple[Any, Any]]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW__AIBRIX_SCALING__ROLES", ROLES)
+        batch = _load("batch_inference").dag
+        evals = [v for k, v in vars(_load("nightly_eval")).items() if k.startswith("nightly_eval__")]
     assert evals, "no nightly eval DAG was built"
-    return batch, evals[0]
+    yield batch, evals[0]
+
+
+def test_a_deployment_without_roles_gets_no_scaling_tasks(monkeypatch) -> None:
+    """Three task runs a batch that would do nothing: not in the DAG unless roles are configured."""
+    monkeypatch.delenv("AIRFLOW__AIBRIX_SCALING__ROLES", raising=False)
+    plain = _load("batch_inference").dag
+    assert set(plain.task_dict) == {"validate", "split", "dispatch", "merge", "record_failure"}
+    assert plain.task_dict["dispatch"].upstream_task_ids == {"validate", "split"}
+    monkeypatch.setenv("AIRFLOW__AIBRIX_SCALING__ROLES", ROLES)
+    scaled = _load("batch_inference").dag
+    assert {"roles_ready", "autoscale", "scale_down"} < set(scaled.task_dict)
 
 
 def _fields(task: Any) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from aibrix_operators.operators.dispatch import DispatchShardOperator
 from aibrix_operators.scheduling.recovery import dispatch_retry_policy
 from aibrix_operators.sensors import AutoscaleSensor, RolesReadySensor, ScaleDownOperator
 from aibrix_operators.settings.driver_pods import dispatch_pool
+from aibrix_operators.settings.role_scaling import roles_configured
 
 # Params whose empty value means "the default" carry "null" in their type: Airflow's trigger
 # form marks every other string field required and will not submit it empty.
@@ -182,6 +183,7 @@ class BatchTasks(NamedTuple):
     dispatch: Any
     merge: Any
     record_failure: Any
+    # None where the deployment scales no serving roles ([aibrix_scaling] roles unset).
     roles_ready: Any
     autoscale: Any
     scale_down: Any
@@ -243,8 +245,11 @@ def add_batch_tasks(
         on_failure_callback=notify,
     )  # fmt: skip
     [validate, split, dispatch, merge] >> record_failure
-    # Serving roles: act only with execution_mode=kubernetes and [aibrix_scaling] roles set;
-    # otherwise roles_ready succeeds at once and autoscale / scale_down skip (sensors/scaling.py).
+    # Serving roles: only where the deployment names some ([aibrix_scaling] roles, read as the DAG
+    # is parsed); they act only with execution_mode=kubernetes (otherwise roles_ready succeeds at
+    # once and autoscale / scale_down skip, sensors/scaling.py).
+    if not roles_configured():
+        return BatchTasks(validate, split, dispatch, merge, record_failure, None, None, None)
     roles_ready = RolesReadySensor(task_id=Step.ROLES_READY.value, validated=validate.output,
                                    execution_mode=a["execution_mode"], aws_conn_id=a["aws_conn_id"])
     autoscale = AutoscaleSensor(task_id=Step.AUTOSCALE.value, validated=validate.output, shards=split.output,

@@ -29,6 +29,15 @@ class ScalingSettings:
     pushgateway: str | None = None
 
 
+def roles_configured() -> bool:
+    """Whether the deployment names serving roles to scale at all. The DAG reads it when it is
+    parsed: without roles its runs get no scaling tasks (three task runs a batch that would do
+    nothing). Presence only: the roles are parsed, and a bad value reported, where they are used."""
+    from airflow.sdk import conf
+
+    return bool((conf.get(SECTION, "roles", fallback=None) or "").strip())
+
+
 def load_scaling_settings() -> ScalingSettings:
     from airflow.sdk import conf
 
