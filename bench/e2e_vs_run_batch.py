@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
@@ -95,6 +96,29 @@ def submit_with_rest(conf: dict, deployment: AirflowDeployment) -> None:
         raise RuntimeError(f"DAG run {run['dag_run_id']} ended {run['state']}")
 
 
+def bench_env(bench_dir: Path, trigger: str) -> dict[str, str]:
+    """The bench's Airflow environment: its own home under ``bench_dir``, offline, our TMPDIR, and
+    the same CPU binding for both engines whatever the machine's default."""
+    (WORK_DIR / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **airflow_env(bench_dir / f"airflow-{trigger}"), "HF_HUB_OFFLINE": "1",
+           "TMPDIR": str(WORK_DIR / "tmp")}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    return env
+
+
+def dag_submitter(
+    trigger: str, env: dict[str, str]
+) -> tuple[Callable[[dict], None], AirflowDeployment | None]:
+    """How the bench hands a batch to the DAG: a running Airflow's REST API (``rest``; the
+    deployment is returned for the caller to stop) or ``airflow dags test`` on a migrated database."""
+    if trigger == "rest":
+        deployment = start_airflow(env, Path(env["AIRFLOW_HOME"]))
+        return (lambda conf: submit_with_rest(conf, deployment)), deployment
+    subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env,
+                   check=True, capture_output=True)
+    return (lambda conf: submit_with_dags_test(conf, env)), None
+
+
 def run_dag(model: str, name: str, input_path: Path, out: Path, submit,
             spec: VLLMServerSpec | None = None, conf: dict | None = None) -> float:
     """``spec`` (default: the engine of ENGINE_ARGS) must match the baseline's engine arguments."""
@@ -126,24 +150,8 @@ def main() -> int:
     bench_dir.mkdir(parents=True, exist_ok=True)
     input_path = bench_dir / f"input-{args.requests}.jsonl"
     write_input(input_path, args.requests, args.served_model_name, args.max_tokens)
-    (WORK_DIR / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **airflow_env(bench_dir / f"airflow-{args.trigger}"), "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(WORK_DIR / "tmp")}
-    # Same CPU binding for both engines, whatever the machine's default.
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-
-    deployment = None
-    if args.trigger == "rest":
-        deployment = start_airflow(env, Path(env["AIRFLOW_HOME"]))
-
-        def submit(conf: dict) -> None:
-            submit_with_rest(conf, deployment)
-    else:
-        subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env,
-                       check=True, capture_output=True)
-
-        def submit(conf: dict) -> None:
-            submit_with_dags_test(conf, env)
+    env = bench_env(bench_dir, args.trigger)
+    submit, deployment = dag_submitter(args.trigger, env)
 
     baseline_times: list[float] = []
     dag_times: list[float] = []

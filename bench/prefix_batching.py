@@ -25,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,16 +32,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_vs_run_batch import (  # noqa: E402 - the bench directory is not a package
+    bench_env,
     count_lines,
+    dag_submitter,
     run_baseline,
     run_dag,
-    submit_with_dags_test,
-    submit_with_rest,
     write_input,
 )
 
-from aibrix_operators.local_airflow import start_airflow  # noqa: E402
-from aibrix_operators.localenv import WORK_DIR, airflow_env  # noqa: E402
+from aibrix_operators.localenv import WORK_DIR  # noqa: E402
 from aibrix_operators.serving.local_vllm import VLLMServerSpec  # noqa: E402
 
 MAX_MODEL_LEN = 4096
@@ -120,22 +118,8 @@ def main() -> int:
     unique_in = bench_dir / f"unique-{args.requests}.jsonl"
     write_input(unique_in, args.requests, args.served_model_name, args.max_tokens)
 
-    (WORK_DIR / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **airflow_env(bench_dir / f"airflow-{args.trigger}"), "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(WORK_DIR / "tmp")}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    deployment = None
-    if args.trigger == "rest":
-        deployment = start_airflow(env, Path(env["AIRFLOW_HOME"]))
-
-        def submit(conf: dict) -> None:
-            submit_with_rest(conf, deployment)
-    else:
-        subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env,
-                       check=True, capture_output=True)
-
-        def submit(conf: dict) -> None:
-            submit_with_dags_test(conf, env)
+    env = bench_env(bench_dir, args.trigger)
+    submit, deployment = dag_submitter(args.trigger, env)
 
     paths: list[tuple[str, str, Path, str | None]] = []  # (label, workload, input, grouping|None)
     if not args.skip_shared:
