@@ -52,6 +52,13 @@ def take_down_after_first_result(server, prefix_log, down_s: float) -> Outage:
     return Outage(server, prefix_log, down_s)
 
 
+def slow_shard(tmp_path, make_request, tag: str, n: int, delay_s: float) -> tuple[str, str]:
+    """A shard of ``n`` requests the fault server answers after ``delay_s`` each (ids ``<tag>-0000``
+    on), and the results prefix its driver writes under."""
+    records = [make_request(f"{tag}-{i:04d}", f"slow:{delay_s}") for i in range(n)]
+    return write_shard(tmp_path, records), str(tmp_path / "results")
+
+
 async def first_checkpoint(log) -> None:
     """Return once the shard has made its first answers durable: the fault lands mid-shard."""
     while not log.segments():
@@ -60,9 +67,7 @@ async def first_checkpoint(log) -> None:
 
 async def test_outage_longer_than_retry_budget_loses_and_fails_nothing(tmp_path, fault_server, make_request):
     storage = LocalStorage()
-    records = [make_request(f"o-{i:04d}", "slow:0.01") for i in range(400)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "o", 400, 0.01)
     outage_s = 3.0
     assert outage_s > 50 * RETRY_BUDGET_S
     thread = take_down_after_first_result(fault_server, shard_result_log(storage, prefix, shard), outage_s)
@@ -73,14 +78,12 @@ async def test_outage_longer_than_retry_budget_loses_and_fails_nothing(tmp_path,
     assert len(results) == 400 and all(r["error"] is None for r in results.values())
     assert (outcome.completed, outcome.failed) == (400, 0)
     assert outcome.outages >= 1 and outcome.paused_s >= outage_s * 0.5
-    assert set(fault_server.counts()) == {r["custom_id"] for r in records}
+    assert set(fault_server.counts()) == {f"o-{i:04d}" for i in range(400)}
 
 
 async def test_outage_past_budget_fails_task_then_retry_completes(tmp_path, fault_server, make_request):
     storage = LocalStorage()
-    records = [make_request(f"p-{i:04d}", "slow:0.01") for i in range(300)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "p", 300, 0.01)
     log = shard_result_log(storage, prefix, shard)
     thread = take_down_after_first_result(fault_server, log, 60)  # down for good, for this attempt
     with pytest.raises(EndpointOutage, match="answered no request for .* retrying the task sends them"):
@@ -115,9 +118,7 @@ async def run_into_a_storm(fault_server, storage, shard: str, prefix: str, storm
 async def test_503_storm_for_every_request_is_an_outage_not_error_lines(tmp_path, fault_server, make_request):
     # A gateway whose backends are gone: 503 for everything, though the gateway itself is up.
     storage = LocalStorage()
-    records = [make_request(f"g-{i:03d}", "slow:0.01") for i in range(200)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "g", 200, 0.01)
     await run_into_a_storm(fault_server, storage, shard, prefix,
                            first_checkpoint(shard_result_log(storage, prefix, shard)), outage_budget_s=1.5)
     stored = results_by_id(storage, prefix, shard)
@@ -143,9 +144,7 @@ class FlakyStore(LocalStorage):
 
 async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_server, make_request):
     store = FlakyStore()
-    records = [make_request(f"w-{i:04d}", "slow:0.005") for i in range(300)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "w", 300, 0.005)
     log = shard_result_log(store, prefix, shard)
 
     async def outage() -> None:
@@ -168,9 +167,7 @@ async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_
 
 async def test_store_down_past_retry_time_fails_and_retry_completes(tmp_path, fault_server, make_request):
     store = FlakyStore()
-    records = [make_request(f"x-{i:04d}", "slow:0.005") for i in range(300)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "x", 300, 0.005)
     log = shard_result_log(store, prefix, shard)
 
     async def outage() -> None:
@@ -258,9 +255,7 @@ async def test_outage_with_default_settings_the_issue_reproduction(tmp_path, fau
     # shard and back after 10 s. Before the breaker this left dozens of requests as permanent
     # connection_error lines.
     storage = LocalStorage()
-    records = [make_request(f"d-{i:04d}", "slow:0.01") for i in range(3000)]
-    shard = write_shard(tmp_path, records)
-    prefix = str(tmp_path / "results")
+    shard, prefix = slow_shard(tmp_path, make_request, "d", 3000, 0.01)
     defaults = DriverConfig(endpoint=fault_server.url, concurrency=16, api_key_env=None)
     assert defaults.backoff_base_s * (2 ** (defaults.max_attempts - 1) - 1) < 10
 
