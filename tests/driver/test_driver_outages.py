@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,19 @@ def slow_shard(tmp_path, make_request, tag: str, n: int, delay_s: float) -> tupl
     on), and the results prefix its driver writes under."""
     records = [make_request(f"{tag}-{i:04d}", f"slow:{delay_s}") for i in range(n)]
     return write_shard(tmp_path, records), str(tmp_path / "results")
+
+
+def one_shard_batch(storage: LocalStorage, tmp_path, records: list[dict]) -> tuple[Any, str, Any]:
+    """``records`` validated as a batch (output under ``tmp_path/out``) and split into one shard:
+    the batch, its run's work prefix and the shard."""
+    inp = tmp_path / "input.jsonl"
+    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    out = str(tmp_path / "out")
+    report, batch = validate_batch(storage, str(inp), out)
+    assert report.ok, report.summary()
+    work = work_prefix(out, "run")
+    (shard,) = split_batch(storage, batch, work, len(records), bytes_per_shard=1 << 30, max_shards=1)
+    return batch, work, shard
 
 
 async def first_checkpoint(log) -> None:
@@ -193,13 +207,7 @@ async def test_store_down_past_retry_time_fails_and_retry_completes(tmp_path, fa
 async def test_overlapping_attempts_merge_with_every_id_once(tmp_path, fault_server, make_request):
     storage = LocalStorage()
     records = [make_request(f"z-{i:04d}", "slow:0.01") for i in range(200)]
-    inp = tmp_path / "input.jsonl"
-    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-    out = str(tmp_path / "out")
-    report, batch = validate_batch(storage, str(inp), out)
-    assert report.ok
-    work = work_prefix(out, "run")
-    (shard,) = split_batch(storage, batch, work, 200, bytes_per_shard=1 << 30, max_shards=1)
+    batch, work, shard = one_shard_batch(storage, tmp_path, records)
     prefix = results_prefix(work, shard.name)
     # A zombie attempt and its retry, on the same shard and results prefix, at the same time.
     first, second = await asyncio.gather(
@@ -274,13 +282,7 @@ async def test_cancel_stops_sending_and_accounts_for_every_request(tmp_path, fau
 
     storage = LocalStorage()
     records = [make_request(f"k-{i:04d}", "slow:0.02") for i in range(400)]
-    inp = tmp_path / "input.jsonl"
-    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-    out = str(tmp_path / "out")
-    report, batch = validate_batch(storage, str(inp), out)
-    assert report.ok
-    work = work_prefix(out, "run")
-    (shard,) = split_batch(storage, batch, work, 400, bytes_per_shard=1 << 30, max_shards=1)
+    batch, work, shard = one_shard_batch(storage, tmp_path, records)
     log = shard_result_log(storage, results_prefix(work, shard.name), shard.uri)
 
     async def cancel_after_first_checkpoint() -> float:
@@ -313,12 +315,7 @@ async def test_a_cancel_before_the_shard_starts_sends_nothing(tmp_path, fault_se
 
     storage = LocalStorage()
     records = [make_request(f"c-{i:03d}") for i in range(30)]
-    inp = tmp_path / "input.jsonl"
-    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-    out = str(tmp_path / "out")
-    report, batch = validate_batch(storage, str(inp), out)
-    work = work_prefix(out, "run")
-    (shard,) = split_batch(storage, batch, work, 30, bytes_per_shard=1 << 30, max_shards=1)
+    batch, work, shard = one_shard_batch(storage, tmp_path, records)
     request_cancel(storage, work)
     outcome = await run_shard_of_batch(storage, shard, work, config(fault_server, concurrency=64,
                                                                     cancel_poll_s=5.0))
