@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from aibrix_operators.batch.job import (
     finalize_batch,
@@ -47,6 +48,21 @@ def write_shard(tmp_path, records) -> str:
     path = tmp_path / "shard-00000.jsonl"
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
     return str(path)
+
+
+def one_shard_batch(
+    storage: LocalStorage, tmp_path, records: list[dict], run_id: str = "run"
+) -> tuple[Any, str, Any]:
+    """``records`` validated as a batch (output under ``tmp_path/out``) and split into one shard:
+    the batch, its run's work prefix and the shard."""
+    inp = tmp_path / "input.jsonl"
+    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    out = str(tmp_path / "out")
+    report, batch = validate_batch(storage, str(inp), out)
+    assert report.ok, report.summary()
+    work = work_prefix(out, run_id)
+    (shard,) = split_batch(storage, batch, work, len(records), bytes_per_shard=1 << 30, max_shards=1)
+    return batch, work, shard
 
 
 def results_by_id(storage, prefix, shard_uri) -> dict[str, dict]:

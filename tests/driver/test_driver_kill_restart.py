@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
+from aibrix_operators.batch.job import finalize_batch
 from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
 from aibrix_operators.storage import LocalStorage
+from tests.driver.test_driver_faults import one_shard_batch
 
 pytestmark = pytest.mark.service
 
@@ -31,13 +32,7 @@ def driver_cmd(shard, prefix, server) -> list[str]:
 def test_killed_driver_resumes_and_merge_is_exactly_once(tmp_path, fault_server, make_request):
     storage = LocalStorage()
     records = [make_request(f"k-{i:04d}", "slow:0.03") for i in range(N)]
-    inp = tmp_path / "input.jsonl"
-    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-    out = str(tmp_path / "out")
-    report, batch = validate_batch(storage, str(inp), out)
-    assert report.ok, report.summary()
-    work = work_prefix(out, "killed-run")
-    (shard,) = split_batch(storage, batch, work, requests_per_shard=N, bytes_per_shard=1 << 30, max_shards=4)
+    batch, work, shard = one_shard_batch(storage, tmp_path, records, "killed-run")
     prefix = results_prefix(work, shard.name)
     log = shard_result_log(storage, prefix, shard.uri)
 

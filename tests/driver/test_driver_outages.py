@@ -8,7 +8,6 @@ import json
 import threading
 import time
 from collections.abc import Awaitable
-from typing import Any
 
 import pytest
 
@@ -19,7 +18,7 @@ from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
 from aibrix_operators.driver.runner import run_shard
 from aibrix_operators.storage import LocalStorage, StorageError
-from tests.driver.test_driver_faults import config, results_by_id, write_shard
+from tests.driver.test_driver_faults import config, one_shard_batch, results_by_id, write_shard
 
 # The test config's per-request retry budget: 3 attempts, backoff base 0.01 s capped at 0.5 s,
 # so a request alone would give up after at most 0.01 + 0.02 = 0.03 s of waiting.
@@ -58,19 +57,6 @@ def slow_shard(tmp_path, make_request, tag: str, n: int, delay_s: float) -> tupl
     on), and the results prefix its driver writes under."""
     records = [make_request(f"{tag}-{i:04d}", f"slow:{delay_s}") for i in range(n)]
     return write_shard(tmp_path, records), str(tmp_path / "results")
-
-
-def one_shard_batch(storage: LocalStorage, tmp_path, records: list[dict]) -> tuple[Any, str, Any]:
-    """``records`` validated as a batch (output under ``tmp_path/out``) and split into one shard:
-    the batch, its run's work prefix and the shard."""
-    inp = tmp_path / "input.jsonl"
-    inp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-    out = str(tmp_path / "out")
-    report, batch = validate_batch(storage, str(inp), out)
-    assert report.ok, report.summary()
-    work = work_prefix(out, "run")
-    (shard,) = split_batch(storage, batch, work, len(records), bytes_per_shard=1 << 30, max_shards=1)
-    return batch, work, shard
 
 
 async def first_checkpoint(log) -> None:
