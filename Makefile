@@ -17,6 +17,13 @@ PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # The two big installs skip pip's byte-compilation (--no-compile): it compiles all ~37,000 .py files
 # of both venvs up front (minutes of CPU here), while Python compiles, and caches, only the modules
 # a process imports.
+# Python writes and reuses the bytecode of what it imports, whatever the caller's environment
+# says: these VMs (and CI) set PYTHONDONTWRITEBYTECODE=1, so with --no-compile nothing was ever
+# cached and every process compiled its imports from source — a vLLM server start took 48 CPU-s,
+# ~40 of them compiling vLLM, torch and transformers in each of its three processes (spawned, so
+# nothing is inherited), against 24 CPU-s with the bytecode cached (2026-12-06, py-spy). Empty is
+# "not set" to Python; a spawned child gets no -B either.
+export PYTHONDONTWRITEBYTECODE :=
 # Never let a test or a benchmark write caches into $HOME.
 export VLLM_CACHE_ROOT := $(CURDIR)/$(WORK)/cache
 export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
