@@ -85,8 +85,6 @@ class PodRun:
     events_sent: set[str] = field(default_factory=set)
     container_name: str | None = None  # container mode: the podman container running the pod
     pending_signal: int | None = None  # container mode: a signal sent before the container existed
-    memory_limited: bool = False  # container mode: podman runs it under the pod's memory limit
-    signalled: bool = False  # the kubelet has signalled it (a SIGKILL of its own is no OOM kill)
 
 
 class FakeKubelet:
@@ -304,7 +302,6 @@ class FakeKubelet:
                 self._wait(run, cname, image_name, "CreateContainerConfigError", str(exc))
                 return
             run.container_name = f"k8s-{ns}-{name}-{run.uid[:8]}"
-            run.memory_limited = security.memory_limited(container)
             proc = podman.start(
                 run.container_name, image.container, command, args, env, container.get("workingDir"), flags
             )
@@ -407,10 +404,9 @@ class FakeKubelet:
         run.exit_code, run.finished_at = exit_code, time.time()
         time.sleep(0.05)  # let the log pump take the last lines
         self.store.close_log(run.namespace, run.name)
-        # runc on this VM's cgroup v1 does not report OOMKilled (podman inspect says false); a
-        # SIGKILL the kubelet did not send to a container under a memory limit is the cgroup's.
+        # A container killed by its memory limit: conmon's word for it (podman.oom_killed).
         oom = run.kill_reason == "OOMKilled" or (
-            exit_code == 128 + signal.SIGKILL and run.memory_limited and not run.signalled
+            run.container_name is not None and podman.oom_killed(run.proc)
         )
         c_reason = "OOMKilled" if oom else ("Completed" if exit_code == 0 else "Error")
         run.reason = run.kill_reason if run.kill_reason in ("Evicted", "DeadlineExceeded") else c_reason
@@ -455,7 +451,6 @@ class FakeKubelet:
         """Signal the pod's container (its PID 1), or the process group of a process pod."""
         if run.proc is None:
             return
-        run.signalled = True
         if run.container_name is None:
             _signal_group(run.proc, sig)
             return

@@ -42,12 +42,26 @@ def start(
     if command:
         argv += ["--entrypoint", json.dumps(command)]
     argv += [image, *args]
+    # In the pod's private directory: when the cgroup OOM-kills the container, conmon writes an
+    # "oom" file into podman's working directory (runc on this VM's cgroup v1 reports nothing else:
+    # `podman inspect` says OOMKilled false), which is how the kubelet tells an OOM kill.
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        start_new_session=True, cwd=env_dir,
     )
+    proc.oom_killed = False  # type: ignore[attr-defined]
+    proc.reaped = threading.Event()  # type: ignore[attr-defined]
     threading.Thread(target=_remove_when_done, args=(proc, env_dir), daemon=True).start()
     return proc
+
+
+def oom_killed(proc: subprocess.Popen, timeout_s: float = 5.0) -> bool:
+    """Whether the ended container was killed by its memory limit (waits for its clean-up)."""
+    reaped = getattr(proc, "reaped", None)
+    if reaped is None:
+        return False
+    reaped.wait(timeout_s)
+    return bool(proc.oom_killed)  # type: ignore[attr-defined]
 
 
 def kill(name: str, sig: int) -> bool:
@@ -68,6 +82,8 @@ def remove(name: str) -> None:
 
 def _remove_when_done(proc: subprocess.Popen, env_dir: Path) -> None:
     proc.wait()
+    proc.oom_killed = (env_dir / "oom").exists()  # type: ignore[attr-defined]
     for path in env_dir.iterdir():
         path.unlink()
     env_dir.rmdir()
+    proc.reaped.set()  # type: ignore[attr-defined]

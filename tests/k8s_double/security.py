@@ -12,7 +12,8 @@ podman's flags, so a container runs as it would on a real node:
 * ``capabilities.drop`` / ``add`` → ``--cap-drop`` / ``--cap-add``; ``allowPrivilegeEscalation:
   false`` → ``no-new-privileges``; ``privileged``; ``seccompProfile: Unconfined``;
 * ``limits.memory`` → ``--memory`` with no swap above it (the cgroup kills the container at the
-  limit; the kubelet reports ``OOMKilled``), ``limits.cpu`` → ``--cpus``.
+  limit; the kubelet reports ``OOMKilled``, from conmon's ``oom`` file: podman.py), ``limits.cpu``
+  → ``--cpus``.
 
 Process-mode pods (a local Python) get none of this: ``fake_cluster`` runs the double's tests in
 both modes, and the driver-pod DAG tests run the real image in container mode.
@@ -77,10 +78,6 @@ def podman_flags(pod: Obj, container: Obj, image_user: str) -> list[str]:
     if "cpu" in limits:
         flags += ["--cpus", str(quantity(limits["cpu"]))]
     return flags
-
-
-def memory_limited(container: Obj) -> bool:
-    return "memory" in ((container.get("resources") or {}).get("limits") or {})
 
 
 def _check_non_root(pod: Obj, container: Obj, uid: Any, image_uid: str) -> None:
