@@ -72,10 +72,10 @@ def test_a_pool_file_becomes_the_dag_params_of_its_keys(tmp_path: Path) -> None:
     ("pool:\n  memory_per_job: 16Mi\n", "memory_per_job 16Mi is below 64Mi"),
     ("pool:\n  memory_per_job: 2048\n", "memory_per_job must be a quantity such as 2Gi, not 2048"),
     ("pool:\n  gpu_policy: scatter\n", "gpu_policy must be one of pack, spread, not 'scatter'"),
-    ("max_workers: 2\n", "must hold one mapping, pool: (found ['max_workers'])"),
+    ("max_workers: 2\n", "must hold one mapping, pool: and/or stop_rules: (found ['max_workers'])"),
     ("pool: [1, 2]\n", "pool must be a mapping of max_workers"),
     ("pool:\n  max_workers: [\n", "is not YAML at line"),
-    ("", "must hold one mapping, pool: (found NoneType)"),
+    ("", "must hold one mapping, pool: and/or stop_rules: (found NoneType)"),
 ])
 def test_a_bad_pool_file_names_the_key_and_the_fix(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "pool.yaml"

@@ -112,3 +112,24 @@ def test_the_client_and_the_cli_check_rules_before_anything_is_sent() -> None:
     with pytest.raises(StopRulesError, match="max_error_rate must be a fraction") as exc:
         stop_rules_request({"max_error_rate": 20})
     assert exc.value.code == ExitCode.USAGE
+
+
+def test_a_pool_file_sets_stop_rules_and_the_flags_win(tmp_path) -> None:
+    from aibrix_operators.batch.job_pool import load_pool_file
+    from aibrix_operators.client.batch_client import stop_rules_request, with_pool_file_rules
+    from aibrix_operators.client.cli import _stop_rules, build_parser
+    from aibrix_operators.client.errors import StopRulesError
+
+    path = tmp_path / "pool.yaml"
+    path.write_text("pool:\n  max_workers: 2\nstop_rules:\n  max_error_rate: 0.3\n  max_total_tokens: 900\n")
+    args = build_parser().parse_args(["create", "-i", "in.jsonl", "--config", str(path),
+                                      "--max-total-tokens", "500"])  # fmt: skip
+    assert stop_rules_request(with_pool_file_rules(args.config, _stop_rules(args))) == {
+        "max_error_rate": 0.3, "error_rate_min_sample": 100, "max_total_tokens": 500}
+    assert load_pool_file(path).as_params() == {"max_workers": 2}
+    path.write_text("stop_rules:\n  max_error_rate: 0.3\n")  # rules alone: the pool keeps its defaults
+    assert load_pool_file(path).as_params() == {}
+    assert stop_rules_request(with_pool_file_rules(str(path), None))["max_error_rate"] == 0.3
+    path.write_text("stop_rules:\n  max_eror_rate: 0.3\n")
+    with pytest.raises(StopRulesError, match=rf"pool file {path}: stop_rules: unknown stop rule"):
+        with_pool_file_rules(str(path), None)

@@ -153,8 +153,13 @@ class JobPoolLimits:
                                f"not {self.gpu_policy!r}")
 
 
-def load_pool_file(path: str | Path) -> JobPool:
-    """A pool file (YAML with a top-level ``pool:``); JobPoolError says what is wrong and where."""
+# What a pool file may hold: the job pool and the batch's stop rules (docs/stop-rules.md).
+POOL_FILE_KEYS = ("pool", "stop_rules")
+
+
+def read_pool_file(path: str | Path) -> dict[str, Any]:
+    """A pool file's document (YAML: ``pool:`` and/or ``stop_rules:``); JobPoolError says what is
+    wrong and where. Each part is checked by its reader (``load_pool_file``, the client's stop rules)."""
     import yaml
 
     path = Path(path)
@@ -174,8 +179,14 @@ def load_pool_file(path: str | Path) -> JobPool:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise JobPoolError(f"pool file {path} is not YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if not isinstance(doc, dict) or set(doc) != {"pool"}:
+    if not isinstance(doc, dict) or not doc or not set(doc) <= set(POOL_FILE_KEYS):
         found = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
-        raise JobPoolError(f"pool file {path} must hold one mapping, pool: (found {found}); e.g.\n"
-                           "pool:\n  max_workers: 2\n  memory_per_job: 2Gi")
-    return JobPool.from_mapping(doc["pool"], f"{path}: pool")
+        raise JobPoolError(f"pool file {path} must hold one mapping, pool: and/or stop_rules: (found "
+                           f"{found}); e.g.\npool:\n  max_workers: 2\n  memory_per_job: 2Gi\n"
+                           "stop_rules:\n  max_error_rate: 0.2")
+    return doc
+
+
+def load_pool_file(path: str | Path) -> JobPool:
+    """The job pool of a pool file (its ``pool:``; none: the defaults)."""
+    return JobPool.from_mapping(read_pool_file(path).get("pool") or {}, f"{path}: pool")

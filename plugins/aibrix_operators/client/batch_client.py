@@ -23,7 +23,7 @@ import openai
 from openai.types import Batch, FileObject
 
 from aibrix_operators.batch.error_codes import ValidationCode
-from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file
+from aibrix_operators.batch.job_pool import JobPool, JobPoolError, load_pool_file, read_pool_file
 from aibrix_operators.batch.records import DEFAULT_COMPLETION_WINDOW
 from aibrix_operators.batch.stop_rules import StopRules
 from aibrix_operators.batch_api import extensions
@@ -75,10 +75,11 @@ class BatchClient:
         before the upload, sent as the API's ``pool`` field. The returned Batch keeps the API's
         extra fields: ``batch.monitor_url`` is the run's page in the Airflow UI. ``stop_rules``:
         ``max_error_rate``, ``error_rate_min_sample``, ``max_total_tokens`` (docs/stop-rules.md),
-        checked before the upload, sent as the API's ``stop_rules`` field.
+        checked before the upload, sent as the API's ``stop_rules`` field; a pool file's
+        ``stop_rules:`` apply too, a rule given here over the file's.
         """
         pool_body = pool_request(pool)
-        rules_body = stop_rules_request(stop_rules)
+        rules_body = stop_rules_request(with_pool_file_rules(pool, stop_rules))
         if (input_file is None) == (input_file_id is None):
             raise InputFileError("give exactly one of input_file and input_file_id")
         if input_file is not None:
@@ -259,6 +260,26 @@ def pool_request(pool: JobPool | Mapping[str, Any] | str | os.PathLike[str] | No
     except JobPoolError as exc:
         raise PoolConfigError(str(exc)) from None
     return pool.as_params() or None
+
+
+def with_pool_file_rules(
+    pool: Any, rules: StopRules | Mapping[str, Any] | None
+) -> StopRules | Mapping[str, Any] | None:
+    """``rules`` over the ``stop_rules:`` of the pool file ``pool`` names (if it is a path): a rule
+    given in ``rules`` wins; a complete ``StopRules`` is taken as it is."""
+    if not isinstance(pool, str | os.PathLike) or isinstance(rules, StopRules):
+        return rules
+    try:
+        from_file = read_pool_file(pool).get("stop_rules")
+    except JobPoolError as exc:
+        raise PoolConfigError(str(exc)) from None
+    if from_file is None:
+        return rules
+    try:
+        StopRules.from_dict(from_file)  # what is wrong, said with the file's name
+    except (ValueError, TypeError) as exc:
+        raise StopRulesError(f"pool file {pool}: stop_rules: {exc}") from None
+    return {**from_file, **(rules or {})}
 
 
 def stop_rules_request(rules: StopRules | Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -103,7 +103,9 @@ def build_parser() -> Parser:
     create.add_argument("--idempotency-key", help="a retry with the same key returns the same batch")
     create.add_argument("--config", "-c", metavar="POOL.yaml",
                         help="job-pool file: pool: {max_workers, memory_per_job, gpu_policy, "
-                        "requests_per_shard, concurrency} (docs/job-pool.md)")
+                        "requests_per_shard, concurrency} (docs/job-pool.md) and stop_rules: "
+                        "{max_error_rate, error_rate_min_sample, max_total_tokens} (docs/stop-rules.md; "
+                        "the flags below win)")
     create.add_argument("--max-error-rate", type=float, metavar="RATE",
                         help="stop the batch once more than this share (0-1) of its answers are the "
                              "requests' own errors (docs/stop-rules.md)")
