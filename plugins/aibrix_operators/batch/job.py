@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from aibrix_operators.batch.admission import Admission, Estimate, Work, endpoint_key
+from aibrix_operators.batch.admission import Admission, Estimate, endpoint_key
 from aibrix_operators.batch.cost import Prices, cost_line
 from aibrix_operators.batch.deadline import deadline
 from aibrix_operators.batch.error_codes import UNANSWERED as UNANSWERED_CODES
@@ -193,10 +193,12 @@ def validate_batch(
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
-    by_model = bool(adapters) and prefix_order_uri is not None and not dry_run
+    # Where a send order goes; a dry run writes none, so it collects no signatures either.
+    order_uri_wanted = None if dry_run else prefix_order_uri
+    by_model = bool(adapters) and order_uri_wanted is not None
     # By model there is no ceiling: a batch naming adapters must be split by adapter.
     signatures = (PrefixSignatures(max_requests=None if by_model else MAX_GROUPED_REQUESTS)
-                  if prefix_order_uri and not dry_run and (prefix_grouping == "auto" or by_model) else None)
+                  if order_uri_wanted and (prefix_grouping == "auto" or by_model) else None)
     model_ids = array("H") if by_model else None
     limits = limits or ValidationLimits()
     created_at = int(time.time()) if submitted_at is None else submitted_at
@@ -241,8 +243,7 @@ def validate_batch(
             message = str(exc) if isinstance(exc, StorageError) else f"cannot read {input_uri}: {exc}"
             report.add_error(None, storage_error_code(exc), one_line(message), "input_uri")
     judged: Estimate | None = None
-    work = Work(report.total_requests, report.total_bytes, report.max_output_tokens,
-                report.unbounded_requests)
+    work = report.work()
     if admission is not None and report.ok and report.model and (admission.mode != "off" or dry_run):
         assert due is not None  # a valid report has a valid window
         judged = admission.judge(report.model, work, batch_id, created_at, due, time.time())

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from aibrix_operators.batch.admission import output_limit
+from aibrix_operators.batch.admission import Work, output_limit
 from aibrix_operators.batch.duplicate_ids import IdHashLog, duplicate_ids
 from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
@@ -102,6 +102,10 @@ class ValidationReport:
     error_count: int = 0
     # Where a failed batch's batch.json went (a batch.failures.FailureRecord), set by job.py.
     record: Any = None
+
+    def work(self) -> Work:
+        """What the batch's estimate rests on (batch/admission.py): admission, both dry runs."""
+        return Work(self.total_requests, self.total_bytes, self.max_output_tokens, self.unbounded_requests)
 
     @property
     def ok(self) -> bool:

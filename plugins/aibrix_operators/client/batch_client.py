@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
@@ -112,9 +113,7 @@ class BatchClient:
         uploaded, created or sent to a model. The answer's ``work`` is what this client counted."""
         report = checked_report(input_file, endpoint)
         body = {"model": report.model, "endpoint": report.endpoint, "completion_window": completion_window,
-                "work": {"requests": report.total_requests, "input_bytes": report.total_bytes,
-                         "max_output_tokens": report.max_output_tokens,
-                         "unbounded_requests": report.unbounded_requests}}
+                "work": asdict(report.work())}
         return self.openai.post("/batches/estimate", body=body, cast_to=object)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ follow

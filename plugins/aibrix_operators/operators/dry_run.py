@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowSkipException
 
-from aibrix_operators.batch.admission import Estimate, Work
+from aibrix_operators.batch.admission import Estimate
 from aibrix_operators.batch.dry_run import dry_run_answer
 from aibrix_operators.batch.job import ValidatedBatch
 from aibrix_operators.batch.validation import ValidationReport
@@ -32,8 +32,7 @@ XCOM_KEY = "dry_run"
 def end_dry_run(context: Context, report: ValidationReport, batch: ValidatedBatch, endpoint: str,
                 storage: Storage) -> NoReturn:
     """Publish the dry run's answer for a valid batch, then skip the rest of the run."""
-    work = Work(report.total_requests, report.total_bytes, report.max_output_tokens,
-                report.unbounded_requests)  # fmt: skip
+    work = report.work()
     judged = Estimate(**batch.estimate) if batch.estimate is not None else None
     answer: dict[str, Any] = dry_run_answer(batch.model, endpoint, batch.completion_window, work, judged,
                                             load_prices())  # fmt: skip
