@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,29 @@ def assert_chat_completion(record: dict) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-def test_dag_answers_every_request_once_in_input_order(vllm_chat, airflow_session_env, tmp_path):
+def _prompt_tokens_served(url: str) -> float:
+    """vLLM's own prompt-token counter, from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_total"))
+
+
+def test_dag_answers_every_request_once_in_input_order(vllm_chat, tiny_model, airflow_session_env, tmp_path):
     requests = chat_requests(45)
     input_path = write_jsonl(tmp_path / "input.jsonl", requests)
+    # First a dry run (the dry_run param) with the deployment naming the model's tokenizer: it sends
+    # nothing, and the input tokens it counts are the ones vLLM reports below (issue 40.3).
+    dry_out = tmp_path / "dry"
+    before = _prompt_tokens_served(vllm_chat.base_url)
+    proc = dags_test({**airflow_session_env, "AIRFLOW__AIBRIX_BATCH__TOKENIZERS": json.dumps(
+        {SERVED_NAME: str(tiny_model)})}, {"input_uri": str(input_path), "output_uri": str(dry_out),
+        "endpoint": vllm_chat.base_url, "model": SERVED_NAME, "dry_run": True}, tmp_path / "dry-logs")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    estimate = json.loads((dry_out / "estimate.json").read_text())
+    basis = f"counted with the model's tokenizer ({tiny_model}), every request"
+    assert estimate["input_tokens_basis"] == basis
+    assert _prompt_tokens_served(vllm_chat.base_url) == before, "the dry run sent nothing"
     out = tmp_path / "out"
     proc = dags_test(airflow_session_env, {
         "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
@@ -51,6 +72,7 @@ def test_dag_answers_every_request_once_in_input_order(vllm_chat, airflow_sessio
     assert batch["request_counts"] == {"total": 45, "completed": 45, "failed": 0}
     prompt_tokens = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in output)
     assert batch["usage"]["input_tokens"] == prompt_tokens
+    assert estimate["work"]["input_tokens"] == prompt_tokens  # the dry run's count, exact
     assert batch["usage"]["output_tokens"] == 45 * 8
     assert batch["created_at"] <= batch["in_progress_at"] <= batch["finalizing_at"] <= batch["completed_at"]
     # Three shards of ≤20 requests ran as three mapped tasks, each logging progress.

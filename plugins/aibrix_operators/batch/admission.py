@@ -163,13 +163,16 @@ class Work:
     input_bytes: int
     max_output_tokens: int  # the sum of the lines' bounds
     unbounded_requests: int  # lines without one
+    # Counted with the model's tokenizer (a dry run, batch/prompt_tokens.py); None: estimated from
+    # input_bytes at the measured tokens per byte.
+    input_tokens: int | None = None
 
 
 @dataclass
 class Estimate:
     basis: str
     tokens: int | None = None
-    input_tokens: int | None = None  # of tokens: its size at the measured tokens per byte
+    input_tokens: int | None = None  # of tokens: counted, or its size at the measured tokens per byte
     output_tokens: int | None = None  # of tokens: the bound (max_tokens, or the measured mean)
     ahead_tokens: int = 0
     tokens_per_s: float | None = None
@@ -234,9 +237,11 @@ class Admission:
 
 
 def token_split(work: Work, rate: Rate) -> tuple[int, int]:
-    """A batch's (input, output) tokens: its size at the measured input tokens per byte, its output
-    bounded by its lines' max_tokens (the measured mean for a line without)."""
-    return (round(work.input_bytes * rate.input_tokens_per_byte),
+    """A batch's (input, output) tokens: as its model's tokenizer counted them, or else its size at the
+    measured input tokens per byte; its output bounded by its lines' max_tokens (the measured mean for
+    a line without)."""
+    counted = work.input_tokens
+    return (round(work.input_bytes * rate.input_tokens_per_byte) if counted is None else counted,
             round(work.max_output_tokens + work.unbounded_requests * rate.output_tokens_per_request))
 
 

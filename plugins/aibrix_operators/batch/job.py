@@ -45,6 +45,7 @@ from aibrix_operators.batch.prefixes import (
     worth_grouping,
     write_order,
 )
+from aibrix_operators.batch.prompt_tokens import PromptCounter
 from aibrix_operators.batch.records import (  # noqa: F401 - the layout's helpers, re-exported
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_MIN_COMPLETION_WINDOW,
@@ -149,6 +150,7 @@ def validate_batch(
     output_expires_after: dict[str, Any] | None = None,
     admission: Admission | None = None,
     dry_run: bool = False,
+    count_tokens: PromptCounter | None = None,
 ) -> tuple[ValidationReport, ValidatedBatch | None]:
     """Validate the input; on any failure write a failed ``batch.json`` to the output.
 
@@ -189,7 +191,8 @@ def validate_batch(
 
     ``dry_run``: validate and estimate only (docs/admission.md#dry-run): the batch is judged at
     the measured rate whatever the admission mode, never queued nor refused for its window (the
-    estimate says whether it would be met), and no send order is written.
+    estimate says whether it would be met), and no send order is written. ``count_tokens`` (a dry
+    run's, batch/prompt_tokens.py) counts the input tokens with the model's tokenizer.
     """
     if prefix_grouping not in ("auto", "off"):
         raise ValueError(f"prefix_grouping must be 'auto' or 'off', not {prefix_grouping!r}")
@@ -234,7 +237,7 @@ def validate_batch(
             with storage.open_read(input_uri) as stream:
                 report = validate_stream(
                     stream, endpoint, limits, reopen=lambda: storage.open_read(input_uri),
-                    signatures=signatures, adapters=adapters, model_ids=model_ids,
+                    signatures=signatures, adapters=adapters, model_ids=model_ids, count_tokens=count_tokens,
                 )
         except Exception as exc:
             if not _is_storage_failure(exc):

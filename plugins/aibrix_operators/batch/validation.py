@@ -26,6 +26,7 @@ from aibrix_operators.batch.error_codes import ValidationCode
 from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.jsonl_lines import UTF8_BOM, skip_newlines, skip_rest_of_line
 from aibrix_operators.batch.prefixes import PrefixSignatures
+from aibrix_operators.batch.prompt_tokens import PromptCounter
 from aibrix_operators.batch.records import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,
@@ -96,6 +97,9 @@ class ValidationReport:
     # lines without one.
     max_output_tokens: int = 0
     unbounded_requests: int = 0
+    # Input tokens counted with the model's tokenizer (a dry run, batch/prompt_tokens.py); None when
+    # not counted.
+    input_tokens: int | None = None
     # The number of the last line that holds a request (trailing blank lines excluded).
     last_request_line: int = 0
     errors: list[LineError] = field(default_factory=list)
@@ -105,7 +109,8 @@ class ValidationReport:
 
     def work(self) -> Work:
         """What the batch's estimate rests on (batch/admission.py): admission, both dry runs."""
-        return Work(self.total_requests, self.total_bytes, self.max_output_tokens, self.unbounded_requests)
+        return Work(self.total_requests, self.total_bytes, self.max_output_tokens, self.unbounded_requests,
+                    self.input_tokens)
 
     @property
     def ok(self) -> bool:
@@ -168,6 +173,7 @@ def validate_stream(
     signatures: PrefixSignatures | None = None,
     adapters: dict[str, str] | None = None,
     model_ids: array | None = None,
+    count_tokens: PromptCounter | None = None,
 ) -> ValidationReport:
     """Validate a batch file read from ``stream``.
 
@@ -178,6 +184,9 @@ def validate_stream(
     an adapter of the batch's base model instead of the base; ``model_ids``, if given, gets
     one entry per valid request: 0 for the base, k for the k-th adapter of
     ``report.adapter_counts``.
+
+    ``count_tokens`` (a dry run's, batch/prompt_tokens.py) counts the valid requests' input tokens
+    into ``report.input_tokens`` (None when it could not).
 
     ``endpoint`` is the batch's endpoint; if omitted, the first line's ``url``
     sets it. ``reopen`` returns a fresh stream over the same file; it is used
@@ -212,6 +221,7 @@ def validate_stream(
     add_hash = id_hashes.append
     add_line = ids.lines.append
     sign = signatures.add if signatures is not None else None
+    count = count_tokens.add if count_tokens is not None else None
 
     while True:
         raw = readline(limit)
@@ -296,9 +306,12 @@ def validate_stream(
                 sign(raw, total_bytes - size)
             if model_ids is not None:
                 model_ids.append(_model_id(record, report))
+            if count is not None:
+                count(line_no, record["url"], body, size)
 
     report.total_bytes = total_bytes
     report.max_output_tokens, report.unbounded_requests = output_bound, unbounded
+    report.input_tokens = count_tokens.total() if count_tokens is not None else None
     if report.total_requests == 0 and report.error_count == 0:
         err.add(None, ValidationCode.EMPTY_FILE, "file holds no requests")
     for line, first, cid in duplicate_ids(ids, reopen, limits.max_line_bytes):

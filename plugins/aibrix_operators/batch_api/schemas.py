@@ -162,6 +162,9 @@ class BatchEstimate(BaseModel):
     endpoint: str
     completion_window: str
     work: EstimateWork
+    # What the input-token figure rests on: bytes here (the file's text stays with the client); a
+    # DAG dry run counts with the model's tokenizer where the deployment names one.
+    input_tokens_basis: str
     estimate: dict[str, Any]
     cost: dict[str, Any] | None = None
 

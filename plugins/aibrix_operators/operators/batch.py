@@ -45,7 +45,7 @@ from aibrix_operators.hooks.batch_storage import BatchStorageHook, UsesBatchStor
 from aibrix_operators.lora.registry import AdapterRegistryError
 from aibrix_operators.operators.batch_end import engine_time, learn_and_leave, record_expiry
 from aibrix_operators.operators.batch_metrics import batch_published
-from aibrix_operators.operators.dry_run import end_dry_run
+from aibrix_operators.operators.dry_run import end_dry_run, prompt_counter
 from aibrix_operators.operators.memory import release_freed_memory
 from aibrix_operators.operators.step_errors import collect_step_errors, records_step_error
 from aibrix_operators.settings.admission import load_admission_mode
@@ -197,6 +197,8 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             max_requests=int(self.max_requests), max_file_bytes=int(self.max_file_bytes),
             max_line_bytes=int(self.max_line_bytes),
         )
+        # A dry run counts input tokens with the model's tokenizer, where the deployment names one.
+        counter = prompt_counter(adapters.bases()) if self._is_dry_run() else None
         report, batch = validate_batch(
             storage, self.input_uri, self.output_uri, _endpoint_or_auto(self.batch_endpoint), limits,
             str(self.completion_window), metadata, batch_id=batch_id,
@@ -206,7 +208,7 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
             adapters=adapters.bases(), min_window_s=load_min_completion_window_s(),
             submitted_at=_submitted_at(context), stop_rules=self.stop_rules or None,
             max_batch_tokens=load_max_batch_tokens(), output_expires_after=self.output_expires_after or None,
-            admission=self._admission(), dry_run=self._is_dry_run(),
+            admission=self._admission(), dry_run=self._is_dry_run(), count_tokens=counter,
         )
         release_freed_memory()  # the pass's arrays, before the run's next tasks in this worker
         if batch is None:
@@ -221,8 +223,9 @@ class ValidateBatchOperator(UsesBatchStorage, BaseOperator):
                  self.prefix_grouping, batch.prefix_shared_requests, batch.prefix_groups,
                  "; shards will hold whole groups" if batch.prefix_order_uri else "; input order kept")
         if self._is_dry_run():
+            assert counter is not None
             end_dry_run(context, report, batch, endpoint_label(self.endpoint, self.inference_conn_id),
-                        out_storage)
+                        out_storage, counter.basis(report.model))
         batch_published(batch.batch_id, phase=BatchStatus.VALIDATING, requests=batch.total_requests,
                         created_at=batch.created_at, deadline=batch.expires_at)
         return batch.as_dict()
