@@ -31,6 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
     tiers.configure(config)
     starts.install()
     config.pluginmanager.register(RECORDER, "aibrix-durations")
+    config.addinivalue_line("markers", "double_only(reason): needs the Kubernetes API double's insides; "
+                            "deselected when K8S_TEST_KUBECONFIG points the tests at a real cluster")
+    if os.environ.get("K8S_TEST_KUBECONFIG"):  # imported only then: it pulls in the k8s double's package
+        from tests.k8s_double import target
+
+        target.configure(config)  # a missing K8S_TEST_DRIVER_IMAGE ends the session here, saying so
     for name, value in UNPINNED_VLLM_ENV.items():
         os.environ.setdefault(name, value)
 

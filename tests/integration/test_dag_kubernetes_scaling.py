@@ -29,7 +29,8 @@ from tests.k8s_double.fixtures import driver_container_image
 from tests.scaling.k8s_scaling_double import STORMSERVICES, ScalingApiDouble, storm_service
 from tests.scaling.vllm_pods import role_pod
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.double_only(
+    "scales StormServices and serves vLLM pods through the scaling double")]
 
 NS = "batch"
 # The deployment's scaling settings: both roles start at 2, must be at least 4 while a batch

@@ -9,11 +9,16 @@ It keeps objects in memory and serves the REST shapes the ``kubernetes`` and
   (``?watch=true``, ``resourceVersion``, ``timeoutSeconds``), patch (JSON merge /
   strategic merge treated as a merge), replace (PUT), delete; ``status`` as a
   subresource of any object; a write carrying a stale ``metadata.resourceVersion`` is a 409;
+* namespaces (``/api/v1/namespaces[/{name}]``): create, get, list, delete; a delete removes
+  the namespace and everything in it at once (a real server marks it Terminating and its
+  namespace controller empties it asynchronously), so a test may make and drop its own namespace
+  as it does on a real cluster (``target.py``);
 * ``pods/{name}/log`` (``container``, ``follow``, ``timestamps``, ``tailLines``,
   ``sinceSeconds``) from lines a kubelet appends with ``append_log``;
 * pod deletion with a grace period: while a kubelet runs the pod, DELETE only sets
   ``deletionTimestamp``; the kubelet stops the process and calls ``remove``.
 
+A ResourceQuota read carries the ``status`` its controller would write (``quota.status``).
 Bearer-token auth (401 otherwise) and injected faults (``fail``: a status for the
 next N matching requests; ``stall_watches``: watches that send nothing) let tests
 drive the clients' error paths. Admission: a pod create over a namespace's ResourceQuota
@@ -54,6 +59,7 @@ _KINDS = {
     "services": "Service",
     "serviceaccounts": "ServiceAccount",
     "resourcequotas": "ResourceQuota",
+    "namespaces": "Namespace",
 }
 
 
@@ -263,6 +269,14 @@ class ObjectStore:
                 return None
             return self._bump("DELETED", key, obj)
 
+    def remove_namespace(self, namespace: str) -> list[Key]:
+        """Remove every object in ``namespace`` (DELETED events for each); returns their keys."""
+        with self._lock:
+            keys = [k for k in self._objects if k[1] == namespace]
+            for key in keys:
+                self.remove(*key)
+            return keys
+
     @property
     def resource_version(self) -> int:
         return self._rv
@@ -331,6 +345,8 @@ _GROUP = re.compile(
     r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$"
 )
 _CLUSTER_LIST = re.compile(r"^/api/v1/(?P<plural>pods|events|secrets)$")
+_NAMESPACES = re.compile(r"^/api/v1/namespaces(?:/(?P<name>[^/]+))?$")
+NAMESPACES = "/api/v1/namespaces"  # stored cluster-scoped: namespace ""
 
 
 @dataclass
@@ -411,6 +427,8 @@ class ApiServerDouble:
         if m := _CLUSTER_LIST.match(path):
             prefix = f"/api/v1/{m['plural']}"
             return await self._list_or_watch(request, prefix, None)
+        if m := _NAMESPACES.match(path):
+            return await self._namespace(request, m["name"])
         m = _CORE.match(path) or _GROUP.match(path)
         if not m:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
@@ -436,7 +454,7 @@ class ApiServerDouble:
             obj = self.store.get(prefix, ns, name)
             if obj is None:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
-            return web.json_response(obj)
+            return web.json_response(self._counted(prefix, obj))
         if method in ("PATCH", "PUT"):
             body = await request.json()
             ctype = request.headers.get("Content-Type", "")
@@ -479,6 +497,33 @@ class ApiServerDouble:
             return web.json_response(self.store.remove(prefix, ns, name) or obj)
         raise ApiError(405, "MethodNotAllowed", method)
 
+    def _counted(self, prefix: str, obj: Obj) -> Obj:
+        if prefix != quota.QUOTAS:
+            return obj
+        pods = self.store.list("/api/v1/pods", obj["metadata"]["namespace"])
+        return {**obj, "status": quota.status(obj, pods)}
+
+    async def _namespace(self, request: web.Request, name: str | None) -> web.StreamResponse:
+        method = request.method
+        if name is None and method == "GET":
+            return await self._list_or_watch(request, NAMESPACES, "")
+        if name is None and method == "POST":
+            body = {"kind": "Namespace", "apiVersion": "v1", **await request.json()}
+            body["status"] = {"phase": "Active"}
+            return web.json_response(self.store.create(NAMESPACES, "", body), status=201)
+        obj = self.store.get(NAMESPACES, "", name or "")
+        if obj is None:
+            raise ApiError(404, "NotFound", f'namespaces "{name}" not found')
+        if method == "GET":
+            return web.json_response(obj)
+        if method == "DELETE":
+            for prefix, ns, pod in self.store.remove_namespace(name or ""):
+                if prefix == "/api/v1/pods" and self.on_pod_delete:
+                    self.on_pod_delete(ns, pod, 0)  # its process stops; the object is gone already
+            self.store.remove(NAMESPACES, "", name or "")
+            return web.json_response({**obj, "status": {"phase": "Terminating"}})
+        raise ApiError(405, "MethodNotAllowed", method)
+
     async def _list_or_watch(self, request: web.Request, prefix: str, ns: str | None) -> web.StreamResponse:
         q = request.query
         labels, fields = q.get("labelSelector"), q.get("fieldSelector")
@@ -494,7 +539,7 @@ class ApiServerDouble:
         if q.get("watch") in ("true", "1", "True"):
             return await self._watch(request, wants, q)
         items = [
-            o
+            self._counted(prefix, o)
             for o in self.store.list(prefix, ns)
             if label_selector_matches(labels, o["metadata"].get("labels"))
             and field_selector_matches(fields, o)

@@ -72,6 +72,16 @@ def usage(pod: Obj) -> dict[str, Decimal]:
     return used
 
 
+def status(quota: Obj, pods: list[Obj]) -> Obj:
+    """The quota's ``status`` as the quota controller writes it: ``hard`` from the spec, ``used``
+    by the namespace's non-terminal pods. The double computes it on each read (a real controller
+    lags a little); tests that wait for a quota to be counted or freed read it the same way."""
+    live = [p for p in pods if (p.get("status") or {}).get("phase") not in _TERMINAL]
+    hard = dict((quota.get("spec") or {}).get("hard") or {})
+    used = {k: render(k, sum((usage(p)[k] for p in live), Decimal(0))) for k in hard if k in usage({})}
+    return {"hard": hard, "used": used}
+
+
 def admit_pod(quotas: list[Obj], pods: list[Obj], name: str, pod: Obj) -> None:
     """Raise QuotaExceeded when creating ``pod`` would put any quota over its hard limit."""
     live = [p for p in pods if (p.get("status") or {}).get("phase") not in _TERMINAL]
