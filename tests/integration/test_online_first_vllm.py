@@ -113,6 +113,50 @@ async def test_an_online_request_takes_a_running_batch_requests_slot_and_vllm_ab
         assert after[shed % reason] - before.get(shed % reason, 0.0) == 2
 
 
+async def _first_token(session: aiohttp.ClientSession, url: str) -> tuple[float, dict[str, float]]:
+    """A streamed online request's time to its first token, and the server's counters read then."""
+    t0 = time.monotonic()
+    async with session.post(url + "/v1/completions", json={**_completion("online", 4), "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                ttft = time.monotonic() - t0
+                return ttft, await _metrics(session, url)
+    raise AssertionError("the online stream ended without a token")
+
+
+async def test_a_lone_online_request_gets_a_batch_slot_before_its_first_token(gated: VLLMServer) -> None:
+    """Issue 42: batch fills every sequence slot; one online request arrives (the first message after
+    a quiet moment). The server withdraws a batch request at once, before the online one's first
+    token: asserted on the server's own counters, not on wall-clock speed (the TTFTs are printed)."""
+    url = gated.base_url
+    preempted = 'aibrix_online_first_shed_total{reason="preempted"}'
+    tokens = "vllm:generation_tokens_total"
+    async with aiohttp.ClientSession() as session:
+        idle_ttft, _ = await _first_token(session, url)
+        batch = [asyncio.create_task(_post(session, url, _completion(f"batch {i}", LONG_TOKENS, priority=10)))
+                 for i in range(MAX_NUM_SEQS)]
+        full = await _until(session, url, lambda m: m.get("vllm:num_requests_running") == MAX_NUM_SEQS, 60)
+        assert full.get("vllm:num_requests_running") == MAX_NUM_SEQS, full
+        ttft, at_first_token = await _first_token(session, url)
+        # The withdrawn batch request is answered at once; the other keeps its slot (its client
+        # leaves then, and vLLM aborts it: no need to wait out its generation).
+        done, running = await asyncio.wait(batch, timeout=10)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    print(f"online TTFT: idle server {idle_ttft * 1000:.0f} ms, batch in every slot {ttft * 1000:.0f} ms")
+    # One batch request was withdrawn, and counted, by the time the online one had its first token.
+    assert at_first_token.get(preempted, 0.0) - full.get(preempted, 0.0) == 1, at_first_token
+    # It waited engine steps, not a batch generation: left to run, the batch requests would have made
+    # 2 x LONG_TOKENS tokens before a slot freed. (The bound covers the steps the remaining batch
+    # request ran meanwhile and while the counters were read.)
+    assert at_first_token[tokens] - full[tokens] < 300, (full, at_first_token)
+    # The withdrawn request was answered once, 429 batch_shed (the driver sends it again: the burst
+    # test below checks every batch request ends answered exactly once); the other was still running.
+    assert [(t.result()[0], t.result()[1]) for t in done] == [(429, "preempted")] and len(running) == 1
+
+
 async def test_requests_without_a_batch_priority_are_all_served_in_order(gated: VLLMServer) -> None:
     """A dedicated endpoint's traffic (no priority) is all online: queued beyond the slots, never shed."""
     async with aiohttp.ClientSession() as session:
