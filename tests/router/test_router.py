@@ -16,6 +16,7 @@ from aibrix_operators.router.admin import AdminPolicy
 from aibrix_operators.router.app import CHECKER, POOL, build_app
 from aibrix_operators.router.backends import DECODE, PREFILL, Backend
 from aibrix_operators.router.load import parse_load
+from tests.router.harness import RouterHarness
 from tests.router.stub_backend import StubBackend
 
 COMPLETION = {"model": "m", "prompt": "hello there", "max_tokens": 16, "cache_salt": "tenant-a"}
@@ -42,7 +43,7 @@ class Router:
 
 @pytest.fixture
 async def make_router() -> AsyncIterator[Callable[..., object]]:
-    made: list[tuple[TestServer, aiohttp.ClientSession, list[StubBackend]]] = []
+    harness = RouterHarness()
 
     async def make(prefill: list[StubBackend], decode: list[StubBackend], sets: dict[str, str] | None = None,
                    extra: list[Backend] | None = None,
@@ -53,20 +54,10 @@ async def make_router() -> AsyncIterator[Callable[..., object]]:
                 await stub.start()
         backends = [Backend(s.url, PREFILL, sets.get(s.name, "")) for s in prefill]
         backends += [Backend(s.url, DECODE, sets.get(s.name, "")) for s in decode]
-        # A long interval: the tests refresh the pool explicitly when they change a stub.
-        server = TestServer(build_app(backends + list(extra or []), health_interval_s=3600, admin=admin),
-                            host="127.0.0.1")
-        await server.start_server()
-        session = aiohttp.ClientSession()
-        made.append((server, session, [*prefill, *decode]))
-        return Router(server, session)
+        return Router(*await harness.serve(backends + list(extra or []), [*prefill, *decode], admin=admin))
 
     yield make
-    for server, session, stubs in made:
-        await session.close()
-        await server.close()
-        for stub in stubs:
-            await stub.close()
+    await harness.close()
 
 
 async def test_prefill_one_token_then_decode_with_the_same_prompt(make_router) -> None:

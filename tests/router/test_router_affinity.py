@@ -11,8 +11,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from aibrix_operators.router.affinity import BLOCK_BYTES, MAX_BLOCKS, PrefixIndex, prefix_blocks
-from aibrix_operators.router.app import CHECKER, PROXY, build_app
+from aibrix_operators.router.app import CHECKER, PROXY
 from aibrix_operators.router.backends import DECODE, PREFILL, Backend
+from tests.router.harness import RouterHarness
 from tests.router.stub_backend import StubBackend
 
 # ~2.5 KB of shared text: four whole 512-byte blocks before the first byte that differs.
@@ -63,24 +64,16 @@ class Routed:
 
 @pytest.fixture
 async def make_router() -> AsyncIterator[Callable[..., Any]]:
-    made: list[tuple[TestServer, aiohttp.ClientSession, list[StubBackend]]] = []
+    harness = RouterHarness()
 
     async def make(prefill: list[StubBackend], decode: list[StubBackend], **kwargs: Any) -> Routed:
         for stub in (*prefill, *decode):
             await stub.start()
         backends = [Backend(s.url, PREFILL) for s in prefill] + [Backend(s.url, DECODE) for s in decode]
-        server = TestServer(build_app(backends, health_interval_s=3600, **kwargs), host="127.0.0.1")
-        await server.start_server()
-        session = aiohttp.ClientSession()
-        made.append((server, session, [*prefill, *decode]))
-        return Routed(server, session)
+        return Routed(*await harness.serve(backends, [*prefill, *decode], **kwargs))
 
     yield make
-    for server, session, stubs in made:
-        await session.close()
-        await server.close()
-        for stub in stubs:
-            await stub.close()
+    await harness.close()
 
 
 def _groups_by_stub(stubs: list[StubBackend]) -> dict[tuple[str, int], set[str]]:
