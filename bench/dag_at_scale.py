@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "plugins"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from driver_stub import StubProcess  # noqa: E402
+from driver_stub import StubProcess, chat_line  # noqa: E402
 
 from aibrix_operators.localenv import airflow_env  # noqa: E402
 
@@ -62,22 +62,7 @@ def write_input(path: Path, n: int, line_bytes: int = 0) -> None:
             content = f"question {i}: what is {i % 97} + 3?"
             if line_bytes > 190:  # the rest of the line is ~150 bytes
                 content += " " + "context " * ((line_bytes - 190) // 8)
-            fh.write(
-                json.dumps(
-                    {
-                        "custom_id": f"r{i}",
-                        "method": "POST",
-                        "url": "/v1/chat/completions",
-                        "body": {
-                            "model": "tiny-llama",
-                            "max_tokens": 8,
-                            "messages": [{"role": "user", "content": content}],
-                        },
-                    },
-                    separators=(",", ":"),
-                )
-                + "\n"
-            )
+            fh.write(chat_line(f"r{i}", content, 8))
 
 
 def _stub_cpu() -> int | None:

@@ -52,6 +52,14 @@ VLLM_METRICS_PAGE = Path(__file__).resolve().parent / "_vllm_metrics_page.txt"
 SHARED_TICK_S = 0.5  # SharedCapacity's default tick
 
 
+def chat_line(custom_id: str, content: str, max_tokens: int) -> str:
+    """One chat request line of an input file, compact JSON as split_batch writes it."""
+    messages = [{"role": "user", "content": content}]
+    body = {"model": "tiny-llama", "max_tokens": max_tokens, "messages": messages}
+    line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return json.dumps(line, separators=(",", ":")) + "\n"
+
+
 def write_shard(path: Path, requests: int, seed: int = 0) -> Path:
     """A shard of chat requests (~600 B each) as split_batch writes them."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,22 +68,7 @@ def write_shard(path: Path, requests: int, seed: int = 0) -> Path:
     with open(path, "w") as fh:
         for i in range(requests):
             text = " ".join(rng.choice(words) for _ in range(80))
-            fh.write(
-                json.dumps(
-                    {
-                        "custom_id": f"request-{i}",
-                        "method": "POST",
-                        "url": "/v1/chat/completions",
-                        "body": {
-                            "model": "tiny-llama",
-                            "max_tokens": 32,
-                            "messages": [{"role": "user", "content": text}],
-                        },
-                    },
-                    separators=(",", ":"),
-                )
-                + "\n"
-            )
+            fh.write(chat_line(f"request-{i}", text, 32))
     return path
 
 
