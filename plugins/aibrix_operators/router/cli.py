@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help="with --online-first: an online request that finds the router full takes the newest "
             "forwarded batch request's slot (its upstream call is cancelled, so vLLM aborts it; the client "
             "gets 429 batch_shed and sends it again). Streamed answers are never taken back (default: on)")
+    _option(p, "--online-reserve", "0", type=int, metavar="R",
+            help="with --online-first: slots batch requests may not hold while online traffic is recent; an "
+            "arriving online request withdraws the newest batch ones over that at once. N: online steps to "
+            "themselves (a compute-bound engine). 0: off (default: %(default)s, docs/shared-capacity.md)")
+    _option(p, "--online-quiet-s", "1.0", type=float,
+            help="with --online-reserve: seconds after the last online request before batch requests may "
+            "take the reserve again (default: %(default)s)")
     _option(p, "--admin-token-file",
             help="a file (a mounted Secret) with the token POST /v1/load_lora_adapter must carry in the "
             "X-AIBrix-Admin-Token header; without it that route is off (docs/trust.md)")
@@ -132,9 +139,13 @@ def admin_from(args: argparse.Namespace) -> AdminPolicy:
 def admission_from(args: argparse.Namespace) -> Admission | None:
     if not args.online_first:
         return None
-    return Admission(args.online_first, batch_queue=args.batch_queue, batch_wait_s=args.batch_wait_s,
-                     online_priority=args.online_priority, class_header=args.class_header,
-                     preempt_batch=args.preempt_batch == "on")
+    try:
+        return Admission(args.online_first, batch_queue=args.batch_queue, batch_wait_s=args.batch_wait_s,
+                         online_priority=args.online_priority, class_header=args.class_header,
+                         preempt_batch=args.preempt_batch == "on", online_reserve=args.online_reserve,
+                         online_quiet_s=args.online_quiet_s)
+    except ValueError as exc:  # the reserve against --online-first's slots: said before serving
+        raise SystemExit(f"router: {exc} (--online-reserve, --online-quiet-s)") from None
 
 
 def main(argv: list[str] | None = None) -> int:

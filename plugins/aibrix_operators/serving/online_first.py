@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -60,6 +61,8 @@ SHED = Counter("aibrix_online_first_shed_total",
                "Batch requests answered 429 batch_shed for online ones, by reason", ["reason"])
 
 ABORT_GRACE_S = 1.0
+RESERVE_ENV, QUIET_ENV = "AIBRIX_ONLINE_RESERVE", "AIBRIX_ONLINE_QUIET_S"
+ALL_SLOTS = -1  # AIBRIX_ONLINE_RESERVE=all: every slot, whatever --max-num-seqs is
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,28 @@ SHED_BODY = {
     "queue_full": "the server's batch queue is full",
     "waited_too_long": "the batch request waited too long for a slot",
 }
+
+
+def reserve_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """The online reserve (router/admission.py) from the server's environment: ``AIBRIX_ONLINE_RESERVE``
+    (slots, or ``all``) and ``AIBRIX_ONLINE_QUIET_S``; unset: no reserve. vLLM's ``--middleware``
+    takes a class, not arguments, so the deployment sets these on the server's container."""
+    raw = env.get(RESERVE_ENV, "").strip().lower()
+    quiet = env.get(QUIET_ENV, "").strip()
+    settings: dict[str, Any] = {}
+    try:
+        if raw:
+            settings["online_reserve"] = ALL_SLOTS if raw == "all" else int(raw)
+            if settings["online_reserve"] < ALL_SLOTS:
+                raise ValueError(raw)
+        if quiet:
+            settings["online_quiet_s"] = float(quiet)
+            if not settings["online_quiet_s"] >= 0:
+                raise ValueError(quiet)
+    except ValueError:
+        raise ValueError(f"{RESERVE_ENV}={raw!r} / {QUIET_ENV}={quiet!r}: the reserve is a number of "
+                         "sequence slots or 'all', the quiet time seconds (0 or more)") from None
+    return settings
 
 
 def _max_num_seqs(scope: Scope) -> int:
@@ -144,6 +169,8 @@ class OnlineFirst:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         self.admission: Admission | None = None
+        # Read when vLLM builds its app: a bad value stops the server's start, not a request.
+        self.reserve = reserve_settings(os.environ)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GATED_PATHS:
@@ -151,7 +178,11 @@ class OnlineFirst:
             return
         if self.admission is None:
             # Built on the first request: the engine's config is on the app by then.
-            self.admission = Admission(_max_num_seqs(scope))
+            seqs = _max_num_seqs(scope)
+            reserve = dict(self.reserve)
+            if reserve.get("online_reserve") == ALL_SLOTS:
+                reserve["online_reserve"] = seqs
+            self.admission = Admission(seqs, **reserve)
         admission = self.admission
         messages, raw = await _read_body(receive)
         body = _body_fields(raw)
