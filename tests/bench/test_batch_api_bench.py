@@ -3,7 +3,6 @@ the batch file writer) and its arrival-logging stub. No timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,17 +14,11 @@ from pathlib import Path
 import pytest
 
 from tests import fake_openai
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.scripts import BENCH, load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_batch_api", BENCH / "batch_api.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_batch_api", BENCH / "batch_api.py")
 
 
 bench = _load()

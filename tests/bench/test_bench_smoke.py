@@ -6,7 +6,6 @@ figures (this machine is shared; the full-size runs are for a person).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,16 +13,11 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.scripts import BENCH, load_script
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench_{name}", BENCH / f"{name}.py")
 
 
 def test_generated_batch_is_valid_and_reused(tmp_path: Path) -> None:

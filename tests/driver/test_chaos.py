@@ -5,25 +5,17 @@ no error line, and a kill may cost only the answers since the last durable check
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.scripts import BENCH, load_script
 
 pytestmark = pytest.mark.service
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 TRIALS = 20
 
 
 def _chaos_module():
-    spec = importlib.util.spec_from_file_location("bench_chaos_trials", BENCH / "chaos_trials.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_chaos_trials", BENCH / "chaos_trials.py")
 
 
 @pytest.fixture(scope="module")
