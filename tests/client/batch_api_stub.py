@@ -12,13 +12,43 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 
 KEY = "sk-stub"
 BATCH_ID = "batch_" + "ab" * 16
 CHUNK = 1 << 20
 PREFIX = "/openai"  # served at /openai/v1, as the Airflow plugin is
+
+
+Server = TypeVar("Server", bound=ThreadingHTTPServer)
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: dict) -> None:
+    """One JSON answer with its length: what every local stub server of the tests sends."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+@contextmanager
+def served_in_thread(server: Server) -> Iterator[Server]:
+    """The server answering from a daemon thread until the block ends, then shut down and closed."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def batch(status: str = "completed", lines: int = 0, **extra: object) -> dict:
@@ -43,12 +73,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def _json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, body)
 
     def _authorized(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {KEY}":

@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from aibrix_operators.client import BatchClient, InputFileError
 from aibrix_operators.client.cli import MAIN_HELP, main
 from aibrix_operators.client.profile import resolve
 from aibrix_operators.client.progress import batch_progress, request_tally
-from tests.client.batch_api_stub import BATCH_ID, KEY, Stub, line
+from tests.client.batch_api_stub import BATCH_ID, KEY, Stub, line, served_in_thread
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 100  # bytes per output line the stub sends
@@ -28,15 +27,8 @@ WIDTH = 100  # bytes per output line the stub sends
 
 @pytest.fixture
 def stub() -> Iterator[Stub]:
-    server = Stub(lines=3, width=WIDTH, status="completed")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served_in_thread(Stub(lines=3, width=WIDTH, status="completed")) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def url(server: Stub) -> str:

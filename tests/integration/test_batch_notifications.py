@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.client.batch_api_stub import served_in_thread
 from tests.integration.conftest import SERVED_NAME, chat_requests, dags_test, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -45,14 +45,8 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served_in_thread(Receiver()) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def asset_events(env: dict[str, str], batch_id: str) -> list[dict]:

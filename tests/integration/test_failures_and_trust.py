@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from aibrix_operators.localenv import WORK_DIR
+from tests.client.batch_api_stub import send_json
 from tests.integration.conftest import (
     TEST_BUCKET,
     TEST_INFERENCE_CONN,
@@ -56,12 +57,7 @@ class Recorder:
                 return body
 
             def _send(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, payload)
 
             def do_GET(self) -> None:  # noqa: N802
                 self._record()
