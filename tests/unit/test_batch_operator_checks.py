@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from aibrix_operators.operators.batch_api import (
     failure_summary,
     find_batch,
 )
+from tests.driver.conftest import fault_server  # noqa: F401 - fixture
 from tests.fake_openai import FakeOpenAI
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -27,12 +27,9 @@ LINE = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI().start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def fake(fault_server: FakeOpenAI) -> FakeOpenAI:  # noqa: F811 - the imported fixture
+    """The driver tests' fake OpenAI server: its Batch API is what these tests talk to."""
+    return fault_server
 
 
 def client(fake: FakeOpenAI) -> BatchClient:
