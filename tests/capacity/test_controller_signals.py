@@ -87,6 +87,15 @@ async def server():
     await s.server.close()
 
 
+def _write_shard(tmp_path: Path, requests: int) -> Path:
+    """tmp_path/shard.jsonl: that many completion requests, r0, r1, ..."""
+    lines = ({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": "p"}} for i in range(requests))  # fmt: skip
+    shard = tmp_path / "shard.jsonl"
+    shard.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return shard
+
+
 async def _until(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -122,9 +131,7 @@ async def test_limit_drops_on_online_queueing_and_rising_ttft_and_grows_back(ser
 async def test_a_429_storm_halves_the_limit_and_every_request_still_ends_answered(
     server: LoadedServer, tmp_path: Path
 ) -> None:
-    shard = tmp_path / "shard.jsonl"
-    shard.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                         "body": {"model": "m", "prompt": "p"}}) + "\n" for i in range(400)))
+    shard = _write_shard(tmp_path, 400)
     server.storm = 150
     server.delay_s = 0.02
     config = DriverConfig(endpoint=server.url, concurrency=32, backoff_base_s=0.01, backoff_max_s=0.05,
@@ -157,9 +164,7 @@ async def test_a_429_storm_halves_the_limit_and_every_request_still_ends_answere
 async def test_a_burst_that_fills_the_endpoint_takes_batch_requests_back_and_they_end_answered(
     server: LoadedServer, tmp_path: Path
 ) -> None:
-    shard = tmp_path / "shard.jsonl"
-    shard.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                         "body": {"model": "m", "prompt": "p"}}) + "\n" for i in range(40)))
+    shard = _write_shard(tmp_path, 40)
     server.delay_s = 0.5  # long generations: without preemption they would hold their slots
     config = DriverConfig(endpoint=server.url, concurrency=8, deadline=time.time() + 120, api_key_env=None,
                           capacity=SharedCapacity(target_inflight=8, batch_queue=0, tick_s=0.05))
@@ -189,9 +194,7 @@ async def test_a_shard_cancelled_while_its_attempts_are_withdrawn_still_ends(
 ) -> None:
     """A withdrawal cancels the sender's own task and takes back only its own cancel: a cancel
     from whoever runs the shard, arriving with it, still ends the shard."""
-    shard = tmp_path / "shard.jsonl"
-    shard.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                         "body": {"model": "m", "prompt": "p"}}) + "\n" for i in range(20)))
+    shard = _write_shard(tmp_path, 20)
     server.delay_s = 5.0
     config = DriverConfig(endpoint=server.url, concurrency=4, deadline=time.time() + 120, api_key_env=None,
                           capacity=SharedCapacity(target_inflight=4, batch_queue=0, tick_s=3600))
