@@ -12,7 +12,7 @@ from collections.abc import Awaitable
 import pytest
 
 from aibrix_operators.batch.job import finalize_batch, split_batch, validate_batch, work_prefix
-from aibrix_operators.batch.shard_results import results_prefix, shard_result_log
+from aibrix_operators.batch.shard_results import ResultLog, results_prefix, shard_result_log
 from aibrix_operators.driver.checkpoint import CheckpointWriteFailed
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.health import EndpointOutage
@@ -141,19 +141,20 @@ class FlakyStore(LocalStorage):
             raise StorageError(f"cannot write {uri}: store unavailable")
         super().write_bytes(uri, data)
 
+    async def down_after_first_checkpoint(self, log: ResultLog, up_after_s: float | None = None) -> None:
+        """The store goes down once the shard's first checkpoint is written to ``log``; back up
+        ``up_after_s`` later (None: it stays down)."""
+        await first_checkpoint(log)
+        self.down.set()
+        if up_after_s is not None:
+            await asyncio.sleep(up_after_s)
+            self.down.clear()
+
 
 async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_server, make_request):
     store = FlakyStore()
     shard, prefix = slow_shard(tmp_path, make_request, "w", 300, 0.005)
-    log = shard_result_log(store, prefix, shard)
-
-    async def outage() -> None:
-        await first_checkpoint(log)
-        store.down.set()
-        await asyncio.sleep(1.0)
-        store.down.clear()
-
-    task = asyncio.create_task(outage())
+    task = asyncio.create_task(store.down_after_first_checkpoint(shard_result_log(store, prefix, shard), 1.0))
     outcome = await run_shard(store, shard, prefix,
                               config(fault_server, concurrency=8, max_unflushed=20, checkpoint_retry_s=10))
     await task
@@ -168,13 +169,7 @@ async def test_store_outage_pauses_then_every_answer_is_written(tmp_path, fault_
 async def test_store_down_past_retry_time_fails_and_retry_completes(tmp_path, fault_server, make_request):
     store = FlakyStore()
     shard, prefix = slow_shard(tmp_path, make_request, "x", 300, 0.005)
-    log = shard_result_log(store, prefix, shard)
-
-    async def outage() -> None:
-        await first_checkpoint(log)
-        store.down.set()
-
-    task = asyncio.create_task(outage())
+    task = asyncio.create_task(store.down_after_first_checkpoint(shard_result_log(store, prefix, shard)))
     started = time.monotonic()
     with pytest.raises(CheckpointWriteFailed, match="will be sent again when the task is retried"):
         await run_shard(store, shard, prefix,
