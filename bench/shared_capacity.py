@@ -39,6 +39,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -64,10 +65,15 @@ MODEL = WORK_DIR / "models" / "tiny-llama"
 NAME = "tiny-llama"
 ONLINE_TOKENS = 16
 BATCH_TOKENS = 32
+POISSON_SEED = 42
 
 
-def phases(cycles: int, burst_s: float, idle_s: float) -> list[tuple[str, float, float]]:
-    """(kind, start, end) seconds from the trace's start: burst, idle, burst, idle, ..."""
+def phases(cycles: int, burst_s: float, idle_s: float,
+           poisson: bool = False) -> list[tuple[str, float, float]]:
+    """(kind, start, end) seconds from the trace's start: burst, idle, burst, idle, ...; or, for the
+    Poisson trace, one phase as long as those cycles."""
+    if poisson:
+        return [("poisson", 0.0, cycles * (burst_s + idle_s))]
     out, t = [], 0.0
     for _ in range(cycles):
         out.append(("burst", t, t + burst_s))
@@ -84,30 +90,50 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 # -- the online side (its own process) ----------------------------------------------------------
-async def _online_request(session: aiohttp.ClientSession, url: str, i: int, t0: float) -> tuple[float, float]:
+async def _online_request(session: aiohttp.ClientSession, url: str, i: int,
+                          t0: float) -> tuple[float, float, float | None]:
+    """(send time from the trace's start, TTFT, TPOT): TPOT is the mean time between the stream's
+    token events after the first (vLLM sends one ``data:`` event a token)."""
     body = {"model": NAME, "prompt": f"online user {i}: how does the batch pipeline work?",
             "max_tokens": ONLINE_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
     sent = time.monotonic()
-    first = None
+    first = last = None
+    tokens = 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, resp.status
-        async for _ in resp.content.iter_any():
-            if first is None:
-                first = time.monotonic()
-    return sent - t0, (first or time.monotonic()) - sent
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                last = time.monotonic()
+                first = first or last
+                tokens += 1
+    first = first or time.monotonic()
+    tpot = (last - first) / (tokens - 1) if last is not None and tokens > 1 else None
+    return sent - t0, first - sent, tpot
 
 
 async def _online_trace(url: str, trace: list[tuple[str, float, float]], burst_clients: int,
-                        idle_gap_s: float, start_at: float) -> list[tuple[float, float]]:
-    """(send time from trace start, TTFT) of every online request."""
+                        idle_gap_s: float, start_at: float) -> list[tuple[float, float, float | None]]:
+    """(send time from trace start, TTFT, TPOT) of every online request."""
     await asyncio.sleep(max(0.0, start_at - time.time()))
     t0 = time.monotonic()
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, float | None]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         counter = 0
         for kind, start, end in trace:
             await asyncio.sleep(max(0.0, t0 + start - time.monotonic()))
-            if kind == "burst":
+            if kind == "poisson":
+                # Open loop: arrivals at exponential gaps (mean idle_gap_s), each in its own task,
+                # whatever the server's state (a chat product's users do not wait for each other).
+                rng = random.Random(POISSON_SEED)
+                pending = []
+                at = start + rng.expovariate(1 / idle_gap_s)
+                while at < end:
+                    await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+                    counter += 1
+                    pending.append(asyncio.ensure_future(_online_request(session, url, counter, t0)))
+                    at += rng.expovariate(1 / idle_gap_s)
+                samples.extend(await asyncio.gather(*pending))
+            elif kind == "burst":
                 async def client(end: float = end) -> None:
                     nonlocal counter
                     while time.monotonic() - t0 < end:
@@ -201,7 +227,7 @@ async def run_scenario(name: str, url: str, args: argparse.Namespace, trace: lis
             await _plain_batch(url, shard, args.batch_concurrency, time.monotonic() + duration, plain_done)
         elif name in ("dedicated", "idle"):
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, None)
-        elif name in ("shared", "router", "gate"):
+        elif name.split("+")[0] in ("shared", "router", "gate"):
             capacity = SharedCapacity(target_inflight=args.max_num_seqs, tick_s=args.tick_s,
                                       batch_queue=args.batch_queue)
             await _driver_batch(url, shard, work / name, args.batch_concurrency, duration, capacity)
@@ -219,8 +245,10 @@ def summarize(result: dict[str, Any], trace: list) -> dict[str, Any]:
     def in_phase(t: float, kind: str) -> bool:
         return any(k == kind and s <= t < e for k, s, e in trace)
 
-    burst = [ttft for sent, ttft in result["online"] if in_phase(sent, "burst")]
-    idle = [ttft for sent, ttft in result["online"] if in_phase(sent, "idle")]
+    burst = [ttft for sent, ttft, _ in result["online"] if in_phase(sent, "burst")]
+    idle = [ttft for sent, ttft, _ in result["online"] if in_phase(sent, "idle")]
+    whole = [ttft for _, ttft, _ in result["online"]]
+    tpots = [tpot for _, _, tpot in result["online"] if tpot is not None]
     comp = result["completions"]
 
     def done_at(t: float) -> float:
@@ -233,6 +261,8 @@ def summarize(result: dict[str, Any], trace: list) -> dict[str, Any]:
         "scenario": result["name"], "online_requests": len(result["online"]),
         "burst_ttft_p50_ms": _ms(percentile(burst, 50)), "burst_ttft_p99_ms": _ms(percentile(burst, 99)),
         "idle_ttft_p50_ms": _ms(percentile(idle, 50)), "idle_ttft_p99_ms": _ms(percentile(idle, 99)),
+        "ttft_p50_ms": _ms(percentile(whole, 50)), "ttft_p99_ms": _ms(percentile(whole, 99)),
+        "tpot_p50_ms": _ms(percentile(tpots, 50)), "tpot_p99_ms": _ms(percentile(tpots, 99)),
         "batch_per_idle_phase": [round(c) for c in idle_counts],
         "batch_idle_rate": round(sum(idle_counts) / idle_time, 2) if idle_time else None,
         "batch_total": round(comp[-1][1]) if comp else 0,
@@ -249,7 +279,10 @@ def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig = plt.figure(figsize=(11, 10))
+    top = fig.add_subplot(3, 1, 1)
+    bottom = fig.add_subplot(3, 1, 2, sharex=top)
+    bars = fig.add_subplot(3, 1, 3)
     for ax in (top, bottom):
         for kind, s, e in trace:
             if kind == "burst":
@@ -260,7 +293,7 @@ def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
         if r["online"]:
             window = 2.0
             ends = [trace[-1][2] * i / 60 for i in range(1, 61)]
-            p99 = [percentile([x for s, x in r["online"] if e - window <= s < e], 99) for e in ends]
+            p99 = [percentile([x for s, x, _ in r["online"] if e - window <= s < e], 99) for e in ends]
             bottom.plot(ends, [None if v is None else v * 1000 for v in p99], label=r["name"])
     top.set_ylabel("batch requests completed")
     top.set_title("batch completions over time (bursts shaded)")
@@ -269,6 +302,19 @@ def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
     bottom.set_xlabel("seconds from the trace's start")
     bottom.set_yscale("log")
     bottom.legend(loc="upper left")
+    # Each scenario's online TTFT p99 in bursts, in idle phases and over the whole trace.
+    online = [r for r in results if r["online"]]
+    rows = [summarize(r, trace) for r in online]
+    kinds = [("burst_ttft_p99_ms", "bursts"), ("idle_ttft_p99_ms", "idle phases"),
+             ("ttft_p99_ms", "whole trace")]
+    width = 0.8 / len(kinds)
+    slots = range(len(rows))
+    for k, (key, label) in enumerate(kinds):
+        bars.bar([i + k * width for i in slots], [row[key] or 0 for row in rows], width, label=label)
+    bars.set_xticks([i + width for i in slots], [r["name"] for r in online], rotation=20, fontsize=8)
+    bars.set_ylabel("online TTFT p99 (ms)")
+    bars.set_yscale("log")
+    bars.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -319,12 +365,15 @@ def engine_isolated(server: VLLMServer, engine_cpu: int | None):  # -> Iterator[
 
 
 @contextmanager
-def online_first_router(decode_url: str, slots: int):  # -> Iterator[str]
-    """The router process (the image's entrypoint) in front of the server, online first."""
+def online_first_router(decode_url: str, slots: int, reserve: int = 0,
+                        quiet_s: float = 1.0):  # -> Iterator[str]
+    """The router process (the image's entrypoint) in front of the server, online first (with
+    ``reserve`` slots kept from batch while online traffic is recent)."""
     port = free_port()
     cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1", "--port", str(port),
            "--decode", decode_url, "--health-interval-s", "0.5", "--online-first", str(slots),
-           "--preempt-batch", "on"]  # fmt: skip
+           "--preempt-batch", "on", "--online-reserve", str(reserve),
+           "--online-quiet-s", str(quiet_s)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -345,9 +394,12 @@ def online_first_router(decode_url: str, slots: int):  # -> Iterator[str]
 
 
 async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list, work: Path,
-                         online_first: bool) -> list[dict[str, Any]]:
-    spec = VLLMServerSpec(model=str(MODEL), served_model_name=NAME, scheduling_policy="priority",
-                          online_first=online_first, extra_args=["--max-num-seqs", str(args.max_num_seqs)])
+                         online_first: bool, reserve: bool = False) -> list[dict[str, Any]]:
+    env = ({"AIBRIX_ONLINE_RESERVE": str(args.online_reserve),
+            "AIBRIX_ONLINE_QUIET_S": str(args.online_quiet_s)} if reserve else {})
+    spec = VLLMServerSpec(model=str(args.model), served_model_name=NAME, scheduling_policy="priority",
+                          online_first=online_first, extra_args=["--max-num-seqs", str(args.max_num_seqs)],
+                          env=env)
     results = []
     with VLLMServer(spec) as server:
         shard = work / "shard.jsonl"
@@ -361,8 +413,11 @@ async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list
             for name in names:
                 print(f"-- scenario {name}", flush=True)
                 with_online = name != "idle"
-                if name in ("router", "online@router"):
-                    with online_first_router(server.base_url, args.max_num_seqs) as url:
+                if "router" in name:
+                    reserve_slots = 0 if name != "router+reserve" else (
+                        args.max_num_seqs if args.online_reserve == "all" else int(args.online_reserve))
+                    with online_first_router(server.base_url, args.max_num_seqs, reserve_slots,
+                                             args.online_quiet_s) as url:
                         results.append(await run_scenario(name, url, args, trace, shard, work, with_online))
                 else:
                     results.append(await run_scenario(name, server.base_url, args, trace, shard, work,
@@ -372,18 +427,52 @@ async def _run_on_server(args: argparse.Namespace, names: list[str], trace: list
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
-    trace = phases(args.cycles, args.burst_s, args.idle_s)
+    trace = phases(args.cycles, args.burst_s, args.idle_s, args.trace == "poisson")
     results = []
     with tempfile.TemporaryDirectory(prefix="shared-capacity-") as tmp:
         work = Path(tmp)
         write_shard(work / "shard.jsonl", args.batch_requests)
-        # Scenarios on the gated server run after the others, on a server of their own.
+        # Scenarios on a gated server run after the others, on a server of their own: with the
+        # online-first middleware, then with it and the online reserve.
         plain = [n for n in args.scenarios if "gate" not in n]
-        gated = [n for n in args.scenarios if "gate" in n]
-        for names, online_first in ((plain, False), (gated, True)):
+        gated = [n for n in args.scenarios if "gate" in n and "+reserve" not in n]
+        reserved = [n for n in args.scenarios if "gate+reserve" in n]
+        servers = ((plain, False, False), (gated, True, False), (reserved, True, True))
+        for names, online_first, reserve in servers:
             if names:
-                results += await _run_on_server(args, names, trace, work, online_first)
+                results += await _run_on_server(args, names, trace, work, online_first, reserve)
     return results
+
+
+# Each shared scenario against the online-only run on the same path (online#2: the first baseline again).
+BASELINES = {"plain": "online", "dedicated": "online", "shared": "online", "router": "online@router",
+             "router+reserve": "online@router", "gate": "online@gate", "gate+reserve": "online@gate+reserve"}
+SHARED = ("shared", "router", "router+reserve", "gate", "gate+reserve")
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue-42 ratios: online TTFT p99 in bursts, idle phases and the whole trace, and TPOT
+    p99, each against its online-only baseline (target <= 1.10); idle-phase batch rate against
+    the dedicated driver on an idle server (target >= 0.80)."""
+    lines = []
+    for name, base_name in BASELINES.items():
+        bases = [rows[b] for b in (base_name, base_name + "#2") if b in rows]
+        if name not in rows or not bases:
+            continue
+        parts = []
+        for key, label in (("burst_ttft_p99_ms", "burst"), ("idle_ttft_p99_ms", "idle"),
+                           ("ttft_p99_ms", "whole"), ("tpot_p99_ms", "TPOT")):
+            base = [b[key] for b in bases if b[key]]
+            if rows[name][key] and base:
+                parts.append(f"{label} {rows[name][key] / (sum(base) / len(base)):.2f}")
+        target = "  (target <= 1.10 each)" if name in SHARED else ""
+        lines.append(f"p99 {name}/{base_name}: {', '.join(parts)}{target}")
+    idle_ref = rows.get("idle", {}).get("batch_idle_rate")
+    for name in SHARED:
+        if idle_ref and name in rows and rows[name]["batch_idle_rate"] is not None:
+            lines.append(f"idle-phase batch rate {name}/dedicated-on-idle-server: "
+                         f"{rows[name]['batch_idle_rate'] / idle_ref:.2f}  (target >= 0.80)")
+    return lines
 
 
 def main() -> None:
@@ -405,39 +494,30 @@ def main() -> None:
                    help="online#2: the baseline again at the end (its spread is the run's noise)")
     p.add_argument("--engine-cpu", type=int, default=0,
                    help="the core kept for vLLM's engine process (see engine_isolated); -1: no isolation")
+    p.add_argument("--online-reserve", default="0",
+                   help="the +reserve scenarios' online reserve: slots, or 'all' for the server's middleware "
+                   "(the router takes a number)")
+    p.add_argument("--online-quiet-s", type=float, default=1.0, help="the +reserve scenarios' quiet time")
+    p.add_argument("--trace", choices=("bursts", "poisson"), default="bursts",
+                   help="poisson: online arrivals at exponential gaps of mean --idle-gap-s, open loop, for "
+                   "the trace's whole length (no burst or idle phases: the whole-trace figures are the ones)")
+    p.add_argument("--model", type=Path, default=MODEL, help="the model directory (make_model.py's)")
     p.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
     p.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
-    trace = phases(args.cycles, args.burst_s, args.idle_s)
+    trace = phases(args.cycles, args.burst_s, args.idle_s, args.trace == "poisson")
     rows = {r["name"]: summarize(r, trace) for r in results}
-    print("\nscenario    burst p50/p99 ms    idle p50/p99 ms    batch per idle phase    idle rate  total")
+    print("\nscenario         burst p50/p99 ms  idle p50/p99 ms  whole p50/p99 ms  TPOT p50/p99 ms  "
+          "batch per idle phase   idle rate  total")
     for name, row in rows.items():
-        print(f"{name:<10} {row['burst_ttft_p50_ms']!s:>7} / {row['burst_ttft_p99_ms']!s:<8} "
-              f"{row['idle_ttft_p50_ms']!s:>7} / {row['idle_ttft_p99_ms']!s:<8} "
+        print(f"{name:<16} {row['burst_ttft_p50_ms']!s:>6} / {row['burst_ttft_p99_ms']!s:<7} "
+              f"{row['idle_ttft_p50_ms']!s:>6} / {row['idle_ttft_p99_ms']!s:<7} "
+              f"{row['ttft_p50_ms']!s:>6} / {row['ttft_p99_ms']!s:<7} "
+              f"{row['tpot_p50_ms']!s:>6} / {row['tpot_p99_ms']!s:<7} "
               f"{str(row['batch_per_idle_phase']):<22} {row['batch_idle_rate']!s:>8} {row['batch_total']:>6}")
-    bases = [r["burst_ttft_p99_ms"] for n, r in rows.items()
-             if n.startswith("online") and "@" not in n and r["burst_ttft_p99_ms"]]
-    if bases:
-        base = sum(bases) / len(bases)
-        print(f"online-only burst TTFT p99: {' / '.join(f'{b:.1f}' for b in bases)} ms (mean {base:.1f})")
-        for name in ("plain", "dedicated", "shared", "router", "gate"):
-            if name in rows and rows[name]["burst_ttft_p99_ms"]:
-                print(f"burst TTFT p99 {name}/online-only: {rows[name]['burst_ttft_p99_ms'] / base:.2f}"
-                      + ("  (target <= 1.10)" if name in ("shared", "router", "gate") else ""))
-    via_router = rows.get("online@router", {}).get("burst_ttft_p99_ms")
-    if via_router and rows.get("router", {}).get("burst_ttft_p99_ms"):
-        print(f"burst TTFT p99 router/online-only-through-the-router: "
-              f"{rows['router']['burst_ttft_p99_ms'] / via_router:.2f}  (target <= 1.10)")
-    on_gate = rows.get("online@gate", {}).get("burst_ttft_p99_ms")
-    if on_gate and rows.get("gate", {}).get("burst_ttft_p99_ms"):
-        print(f"burst TTFT p99 gate/online-only-on-the-gated-server: "
-              f"{rows['gate']['burst_ttft_p99_ms'] / on_gate:.2f}  (target <= 1.10)")
-    idle_ref = rows.get("idle", {}).get("batch_idle_rate")
-    for name in ("shared", "router", "gate"):
-        if idle_ref and name in rows and rows[name]["batch_idle_rate"] is not None:
-            print(f"idle-phase batch rate {name}/dedicated-on-idle-server: "
-                  f"{rows[name]['batch_idle_rate'] / idle_ref:.2f}  (target >= 0.80)")
+    for line in ratios(rows):
+        print(line)
     if args.plot:
         plot(results, trace, args.plot)
         print(f"timeline: {args.plot}")
