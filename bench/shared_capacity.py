@@ -287,14 +287,16 @@ def plot(results: list[dict[str, Any]], trace: list, path: Path) -> None:
         for kind, s, e in trace:
             if kind == "burst":
                 ax.axvspan(s, e, color="tab:red", alpha=0.08)
-    for r in results:
+    for i, r in enumerate(results):
+        color = f"C{i % 10}"  # one colour a scenario in both panels
         if r["completions"]:
-            top.plot([t for t, _ in r["completions"]], [c for _, c in r["completions"]], label=r["name"])
+            top.plot([t for t, _ in r["completions"]], [c for _, c in r["completions"]], label=r["name"],
+                     color=color)
         if r["online"]:
             window = 2.0
             ends = [trace[-1][2] * i / 60 for i in range(1, 61)]
             p99 = [percentile([x for s, x, _ in r["online"] if e - window <= s < e], 99) for e in ends]
-            bottom.plot(ends, [None if v is None else v * 1000 for v in p99], label=r["name"])
+            bottom.plot(ends, [None if v is None else v * 1000 for v in p99], label=r["name"], color=color)
     top.set_ylabel("batch requests completed")
     top.set_title("batch completions over time (bursts shaded)")
     top.legend(loc="upper left")
