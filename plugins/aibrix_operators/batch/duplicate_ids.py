@@ -53,18 +53,23 @@ class IdHashLog:
         if self._buckets is None:
             self._buckets = [tempfile.TemporaryFile(prefix="aibrix-ids-") for _ in range(BUCKETS)]
         h = np.frombuffer(self.hashes, dtype=np.int64)
+        ln = np.frombuffer(self.lines, dtype=np.int64)
         bucket = (h.view(np.uint64) >> np.uint64(64 - BUCKET_BITS)).astype(np.uint8)
         order = np.argsort(bucket, kind="stable")
-        pairs = np.empty((len(h), 2), dtype=np.int64)
-        pairs[:, 0] = h[order]
-        pairs[:, 1] = np.frombuffer(self.lines, dtype=np.int64)[order]
-        del h  # the arrays can be emptied only once no view exports their buffers
         ends = np.cumsum(np.bincount(bucket, minlength=BUCKETS))
         start = 0
+        # One bucket's pairs at a time (~4,000 of them), not all the spill's pairs in one array:
+        # that array and its gathers were validation's memory peak at 1,000,000 requests
+        # (bench/dag_at_scale.py). The files get the same bytes.
         for k, end in enumerate(ends.tolist()):
             if end > start:
-                pairs[start:end].tofile(self._buckets[k])
+                rows = order[start:end]
+                pairs = np.empty((len(rows), 2), dtype=np.int64)
+                pairs[:, 0] = h[rows]
+                pairs[:, 1] = ln[rows]
+                pairs.tofile(self._buckets[k])
             start = end
+        del h, ln  # the arrays can be emptied only once no view exports their buffers
         del self.hashes[:], self.lines[:]
 
     def colliding(self) -> dict[int, int]:

@@ -155,10 +155,20 @@ assert len(LEVELS) == 4 and LEVELS == (256, 1024, 4096, 16384), "PrefixSignature
 
 @dataclass(frozen=True)
 class PrefixGrouping:
-    """The send order that puts requests with a shared prefix back to back, and what it found."""
+    """The send order that puts requests with a shared prefix back to back, and what it found.
 
-    order: np.ndarray          # 0-based request indices (line number - 1), in send order
-    offsets: np.ndarray        # byte offset of every request line, plus the end of the last
+    Where nothing is to be reordered (no prompt shares a prefix, no adapter is named: the common
+    batch, sent in file order), ``order`` and ``offsets`` are built only if asked for, from the
+    signatures' own offsets: validation's memory peak at 1,000,000 requests was these two arrays
+    and the grouping's work arrays, ~25 MB made for a batch that then never used them
+    (bench/dag_at_scale.py).
+    """
+
+    # 0-based request indices (line number - 1) in send order; None: file order.
+    sorted_order: np.ndarray | None
+    # The byte offset of every request line plus the end of the last, or, not built yet, the
+    # signatures' line offsets (int64) and the end.
+    line_offsets: np.ndarray | tuple[array, int]
     shared_requests: int       # requests that share a prefix of >= LEVELS[0] bytes with another
     groups: int                # distinct shared prefixes at the deepest level each request shares
     # The model of every request in input order (0 the base, k the k-th LoRA adapter), when the
@@ -166,8 +176,29 @@ class PrefixGrouping:
     models: np.ndarray | None = None
 
     @property
+    def order(self) -> np.ndarray:
+        """0-based request indices (line number - 1), in send order."""
+        if self.sorted_order is not None:
+            return self.sorted_order
+        starts = self.line_offsets
+        return np.arange(len(starts[0]) if isinstance(starts, tuple) else len(starts) - 1, dtype=np.int64)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """The byte offset of every request line, plus the end of the last."""
+        if not isinstance(self.line_offsets, tuple):
+            return self.line_offsets
+        return _offsets_with_end(*self.line_offsets)
+
+    @property
     def reorders(self) -> bool:
-        return bool(len(self.order)) and not bool(np.all(self.order[1:] > self.order[:-1]))
+        order = self.sorted_order
+        return order is not None and bool(len(order)) and not bool(np.all(order[1:] > order[:-1]))
+
+
+def _offsets_with_end(starts: array, end: int) -> np.ndarray:
+    return np.append(np.frombuffer(starts, dtype=np.int64) if len(starts) else np.zeros(0, np.int64),
+                     np.int64(end))
 
 
 def grouping_order(
@@ -185,7 +216,6 @@ def grouping_order(
     order. This is a sort of 8-byte keys (``np.lexsort``), never of the file's lines.
     """
     n = len(signatures)
-    idx = np.arange(n, dtype=np.int64)
     keys: list[np.ndarray] = []
     if models is not None and n and models.any():
         _, first_line = np.unique(models, return_index=True)
@@ -193,8 +223,9 @@ def grouping_order(
         rank = np.empty(int(models.max()) + 1, dtype=np.int64)
         rank[np.unique(models)] = np.argsort(np.argsort(first_line))
         keys.append(rank[models])
-    shared_any = np.zeros(n, dtype=bool)
-    deepest = np.full(n, -1, dtype=np.int64)  # the group each request shares at its deepest level
+    # The per-request work arrays are made at the first level that has a shared prefix: most
+    # batches have none, and they would be validation's memory peak (class docstring).
+    idx = shared_any = deepest = None
     # columns() stops at the first level no prompt reaches (the levels only grow).
     for column in signatures.columns() if by_prefix else ():
         if not _repeats(column):
@@ -202,6 +233,10 @@ def grouping_order(
             # nothing either. Asked with one in-place sort, not np.unique's index arrays: for a
             # batch of unique prompts this is the validate step's memory peak (~30 MB per 1M).
             break
+        if idx is None or shared_any is None or deepest is None:
+            idx = np.arange(n, dtype=np.int64)
+            shared_any = np.zeros(n, dtype=bool)
+            deepest = np.full(n, -1, dtype=np.int64)  # the group each request shares at its deepest level
         _, first, inverse, counts = np.unique(
             column, return_index=True, return_inverse=True, return_counts=True
         )
@@ -211,15 +246,15 @@ def grouping_order(
         shared_any |= shared
         deepest = np.where(shared, group, deepest)
         del first, inverse, counts, shared
-    offsets = np.append(np.frombuffer(signatures.offsets, dtype=np.int64) if n else
-                        np.zeros(0, np.int64), np.int64(signatures.end))
     with_models = models if models is not None and n and models.any() else None
     if not keys:
-        return PrefixGrouping(idx, offsets, 0, 0, with_models)
+        return PrefixGrouping(None, (signatures.offsets, signatures.end), 0, 0, with_models)
+    offsets = _offsets_with_end(signatures.offsets, signatures.end)
     # np.lexsort sorts by the last key first.
-    order = np.lexsort((idx, *reversed(keys)))
-    groups = len(np.unique(deepest[deepest >= 0]))
-    return PrefixGrouping(order.astype(np.int64), offsets, int(shared_any.sum()), groups, with_models)
+    order = np.lexsort((np.arange(n, dtype=np.int64) if idx is None else idx, *reversed(keys)))
+    groups = 0 if deepest is None else len(np.unique(deepest[deepest >= 0]))
+    shared_requests = 0 if shared_any is None else int(shared_any.sum())
+    return PrefixGrouping(order.astype(np.int64), offsets, shared_requests, groups, with_models)
 
 
 def _repeats(column: np.ndarray) -> bool:
