@@ -110,16 +110,17 @@ def test_list_watch_patch_delete_and_faults(fake_cluster) -> None:  # noqa: F811
     api.patch_namespaced_pod("w-1", NS, {"metadata": {"labels": {"checked": "True"}}})
     assert api.read_namespaced_pod("w-1", NS).metadata.labels["checked"] == "True"
     seen = []
-    # The watch ends at DELETED; its timeout only bounds a broken double. 2 s (as it was) is less
-    # than a loaded machine may take to stop a container gracefully (docs/testing.md, flake log).
-    for event in watch.Watch().stream(
-        api.list_namespaced_pod, NS, label_selector="shard=1", timeout_seconds=30
-    ):
+    # The loop ends at DELETED. 2 s (as it was) is less than a loaded machine may take to stop a
+    # container gracefully (docs/testing.md, flake log); not much more, since the double serves a
+    # watch to its timeout after the client leaves and its teardown waits for that (30 s timed out).
+    events = watch.Watch().stream(api.list_namespaced_pod, NS, label_selector="shard=1", timeout_seconds=6)
+    for event in events:
         seen.append(event["type"])
         if event["type"] == "ADDED":
             api.delete_namespaced_pod("w-1", NS, grace_period_seconds=1)
         if event["type"] == "DELETED":
             break
+    events.close()  # closes the watch's connection now, not when the generator is collected
     assert seen[0] == "ADDED" and seen[-1] == "DELETED" and "MODIFIED" in seen, seen
     run = fake_cluster.kubelet.run_of(NS, "w-1")
     assert run.exit_code == 128 + 15  # SIGTERM from the graceful delete
