@@ -91,8 +91,6 @@ class PromptTokens:
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
             template = _chat_template(path, config)
             self._template = _render_env().from_string(template) if template else None
-        except TokenizerError:
-            raise
         except Exception as exc:  # noqa: BLE001 - any load failure is the deployment's directory
             raise TokenizerError(f"cannot load the tokenizer in {directory}: {exc}") from exc
         special = {k: config.get(k) for k in SPECIAL_TOKENS}
