@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from aibrix_operators.serving.local_vllm import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 BODY = b'{"model":"tiny-llama","prompt":"Say something about routers and caches.","max_tokens":16}'
 
@@ -151,14 +153,6 @@ class Proc:
                 pass
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_port, decode_port = ports[0], ports[1]
         instances = ports if args.affinity_ab else ports[:2]
         for name, affinity in variants:
-            router_port = _free_port()
+            router_port = free_port()
             env_cmd = [sys.executable, "-m", "aibrix_operators.router", "--host", "127.0.0.1",
                        "--port", str(router_port), "--prefix-affinity", affinity, *cpu_router]  # fmt: skip
             for k, port in enumerate(instances):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+# free_port is the package's one port picker (below the ephemeral range: no outgoing connection can
+# take the port before the server binds it); the connector tests import it from here.
+from aibrix_operators.serving.local_vllm import free_port
 from aibrix_operators.serving.process import VLLM_STARTUP_TIMEOUT_S, ServerProcess, tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,12 +32,6 @@ def kv_transfer_config(extra: dict[str, Any] | None = None, role: str = "kv_both
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(extra or {}),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import EndpointUnavailable, ModelNotServed, check_endpoint
+from aibrix_operators.serving.local_vllm import free_port
 from tests.fake_openai import FakeOpenAI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def serve_models(port: int, models: list[str]) -> FakeOpenAI:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import time
 import urllib.request
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from aibrix_operators.serving.local_vllm import free_port
 from tests.driver.conftest import fault_server, make_request  # noqa: F401 - fixtures reused
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,9 +34,7 @@ def check_metrics(promtool: Path, text: str) -> subprocess.CompletedProcess:
 @contextlib.contextmanager
 def start_pushgateway(log_dir: Path) -> Iterator[str]:
     """A real Pushgateway on a free loopback port; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [str(PROM_BIN / "prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(log_dir / "pushgateway.log").open("w"))
     url = f"http://127.0.0.1:{port}"

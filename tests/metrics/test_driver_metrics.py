@@ -4,7 +4,6 @@ and a real Prometheus scrapes a running batch and answers queries about it."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -17,6 +16,7 @@ from prometheus_client import generate_latest
 from aibrix_operators.driver import metrics
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.runner import run_shard
+from aibrix_operators.serving.local_vllm import free_port
 from aibrix_operators.storage import LocalStorage
 from tests.metrics.batch_run import allow, run_batch
 from tests.metrics.conftest import PROM_BIN, REPO, check_metrics
@@ -73,12 +73,6 @@ def test_latency_buckets_match_prometheus_client_semantics():
     assert b.count == 4 and b.total == pytest.approx(2.65)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _query(port: int, promql: str) -> list[dict]:
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
     with urllib.request.urlopen(url, timeout=5) as resp:
@@ -97,7 +91,7 @@ def test_real_prometheus_scrapes_a_running_batch(tmp_path, fault_server, make_re
     the batch's own gauges."""
     monkeypatch.setenv("AIBRIX_PUSHGATEWAY_URL", pushgateway)
     allow(monkeypatch, tmp_path, fault_server.url)
-    metrics_port, prom_port = _free_port(), _free_port()
+    metrics_port, prom_port = free_port(), free_port()
     monkeypatch.setenv("AIBRIX_DRIVER_METRICS_PORT", str(metrics_port))
     bound = metrics.serve_from_env()  # once per process: an earlier server's port if one runs
     assert bound is not None

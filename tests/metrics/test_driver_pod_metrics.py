@@ -5,7 +5,6 @@ its totals when it ends."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 
@@ -16,6 +15,7 @@ from kubernetes.client import ApiClient
 
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver_pods.spec import DriverPodRequest, DriverPodSettings, build_driver_pod
+from aibrix_operators.serving.local_vllm import free_port
 from tests.k8s_double.fixtures import LOCAL_PYTHON_IMAGE, process_cluster  # noqa: F401 - fixture
 from tests.metrics.conftest import REPO
 
@@ -88,19 +88,13 @@ def test_podmonitor_selects_driver_pods_by_their_labels_and_port():
     assert "aibrix.ai/batch-id" in pm["spec"]["podTargetLabels"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.service
 def test_driver_pod_serves_and_pushes_its_metrics(tmp_path, process_cluster, fault_server,  # noqa: F811
                                                   make_request, pushgateway):
     # Process mode: the shard is a local file, and the double does not model volumes. The driver
     # image runs real shards in tests/images and tests/integration/test_dag_kubernetes*.py.
     fake_cluster = process_cluster
-    port = _free_port()  # the fake kubelet runs pods on this host's network: no fixed port
+    port = free_port()  # the fake kubelet runs pods on this host's network: no fixed port
     shard = tmp_path / "shard-00000.jsonl"
     shard.write_text("".join(json.dumps(make_request(f"s{i}", "slow:0.2")) + "\n" for i in range(30)))
     settings = DriverPodSettings(namespace="batch", image=LOCAL_PYTHON_IMAGE, s3_secret=None,
