@@ -23,8 +23,8 @@ from aibrix_operators.batch.admission import Work, output_limit
 from aibrix_operators.batch.duplicate_ids import IdHashLog, duplicate_ids
 from aibrix_operators.batch.endpoints import BODY_CHECKS, VLLM_ALIASES
 from aibrix_operators.batch.error_codes import ValidationCode
-from aibrix_operators.batch.jsonfast import loads
 from aibrix_operators.batch.jsonl_lines import UTF8_BOM, skip_newlines, skip_rest_of_line
+from aibrix_operators.batch.line_json import parse_line
 from aibrix_operators.batch.prefixes import PrefixSignatures
 from aibrix_operators.batch.prompt_tokens import PromptCounter
 from aibrix_operators.batch.records import (
@@ -196,6 +196,7 @@ def validate_stream(
     limits = limits or ValidationLimits()
     report = ValidationReport(endpoint=endpoint, adapter_bases=dict(adapters or {}))
     err = _Collector(report, limits.max_reported_errors)
+    report_error = err.add  # bound once: parse_line takes it for every line
     if endpoint is not None and endpoint not in SUPPORTED_ENDPOINTS:
         err.add(None, ValidationCode.INVALID_ENDPOINT,
                 f"endpoint {echo(endpoint)} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}",
@@ -284,7 +285,7 @@ def validate_stream(
                     f"file has more than {limits.max_requests} requests; split it into several "
                     "batches or raise max_requests", "max_requests")
             break
-        record = _parse_line(raw, line_no, last_had_newline, err)
+        record = parse_line(raw, line_no, last_had_newline, report_error)
         if record is None:
             continue
         custom_id = _check_record(record, line_no, report, err)
@@ -350,59 +351,6 @@ class _BlankRun:
                     f"{self.count} blank lines (lines {self.first}-{last}) between requests; "
                     "remove them")
         self.count = 0
-
-
-def _parse_line(raw: bytes, line_no: int, had_newline: bool, err: _Collector) -> Any:
-    try:
-        return loads(raw)
-    except ValueError as exc:
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as ude:
-            err.add(line_no, ValidationCode.INVALID_ENCODING,
-                    f"line is not valid UTF-8 (byte offset {ude.start} in the line); "
-                    "re-encode the file as UTF-8")
-            return None
-        special = _non_standard_json(raw, exc)
-        if special is not None:
-            err.add(line_no, *special)
-        elif not had_newline:
-            err.add(line_no, ValidationCode.TRUNCATED_LINE,
-                    f"last line is not complete JSON and has no final newline; the file looks "
-                    f"truncated ({exc})")
-        else:
-            err.add(line_no, ValidationCode.INVALID_JSON_LINE, f"line is not valid JSON: {exc}")
-        return None
-
-
-_NON_FINITE = ("NaN", "Infinity", "-Infinity")
-
-
-def _non_standard_json(raw: bytes, exc: ValueError) -> tuple[str, str] | None:
-    """``(code, message)`` for the extensions Python's ``json`` accepts but JSON does not.
-
-    ``NaN``/``Infinity`` (and numbers that overflow to infinity) and lone UTF-16
-    surrogate escapes (``"\\ud800"``) parse in the stdlib but cannot be encoded
-    again for the server, so they get codes of their own rather than a generic
-    syntax error. orjson's messages and ``pos`` (a character offset) tell them apart.
-    """
-    text = str(exc)
-    if "surrogate" in text:
-        return (ValidationCode.LONE_SURROGATE,
-                "line has a \\ud800-\\udfff escape without its pair (a lone UTF-16 surrogate), "
-                "which is not a Unicode character; fix the text's encoding")
-    if "infinity" in text:
-        return (ValidationCode.INVALID_NUMBER,
-                "line has a number too large for a 64-bit float; JSON numbers must be finite")
-    pos = getattr(exc, "pos", None)
-    if isinstance(pos, int):
-        # ``pos`` counts characters; only the few around it are decoded.
-        around = raw.decode("utf-8", errors="replace")[max(pos - 1, 0): pos + len("Infinity")]
-        if any(around.startswith(w) or around[1:].startswith(w) for w in _NON_FINITE):
-            return (ValidationCode.INVALID_NUMBER,
-                    "line has NaN or Infinity, which are not valid JSON numbers; "
-                    "use null or a finite number")
-    return None
 
 
 def _check_record(
