@@ -9,7 +9,6 @@ request's client has gone (vLLM then aborts it).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,19 +16,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from aibrix_operators.capacity.mode import SharedCapacity
-from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.preflight import check_endpoint
-from aibrix_operators.driver.runner import run_shard
-from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
-from aibrix_operators.storage import LocalStorage
-from tests.integration.conftest import SERVED_NAME
+from aibrix_operators.serving.local_vllm import VLLMServer
+from tests.integration import priority_vllm
+from tests.integration.priority_vllm import MAX_NUM_SEQS, completion
 
 # Alone, in the serial phase: one more vLLM server starting in the parallel phase is one more
 # beside the busy Airflow stacks there (servers took over 240 s to start there on 2026-12-03).
 pytestmark = [pytest.mark.service, pytest.mark.serial]
 
-MAX_NUM_SEQS = 2
 # Long enough that a generation not aborted would take many seconds (about 9 s per 1,000 tokens
 # on this 2-core VM).
 LONG_TOKENS = 3500
@@ -37,16 +31,8 @@ LONG_TOKENS = 3500
 
 @pytest.fixture(scope="module")
 def gated(tiny_model: Path) -> Iterator[VLLMServer]:
-    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, scheduling_policy="priority",
-                          online_first=True, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
-    with VLLMServer(spec) as server:
+    with VLLMServer(priority_vllm.priority_spec(tiny_model, online_first=True)) as server:
         yield server
-
-
-def _completion(prompt: str, max_tokens: int, priority: int | None = None) -> dict:
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}
-    return body if priority is None else {**body, "priority": priority}
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str | None, dict]:
@@ -83,14 +69,14 @@ async def test_an_online_request_takes_a_running_batch_requests_slot_and_vllm_ab
     shed = 'aibrix_online_first_shed_total{reason="%s"}'
     async with aiohttp.ClientSession() as session:
         before = await _metrics(session, url)
-        batch = [asyncio.create_task(_post(session, url, _completion(f"batch {i}", LONG_TOKENS, priority=10)))
+        batch = [asyncio.create_task(_post(session, url, completion(f"batch {i}", LONG_TOKENS, priority=10)))
                  for i in range(4)]
         # Two batch requests run (both slots), two wait at the server: as the server reports it.
         waiting = 'aibrix_online_first_waiting_requests{class="batch"}'
         held = await _until(session, url, lambda m: m.get(waiting) == 2
                             and m.get("vllm:num_requests_running") == MAX_NUM_SEQS, 60)
         assert held.get("vllm:num_requests_running") == MAX_NUM_SEQS, held
-        online = await asyncio.gather(*(_post(session, url, _completion(f"online {i}", 4)) for i in range(2)))
+        online = await asyncio.gather(*(_post(session, url, completion(f"online {i}", 4)) for i in range(2)))
         # vLLM aborted the two generations it was running: nothing runs a moment later, where
         # a LONG_TOKENS generation left running would take seconds more.
         after = await _until(session, url, lambda m: m.get("vllm:num_requests_running") == 0, 2.0)
@@ -116,7 +102,7 @@ async def test_an_online_request_takes_a_running_batch_requests_slot_and_vllm_ab
 async def _first_token(session: aiohttp.ClientSession, url: str) -> tuple[float, dict[str, float]]:
     """A streamed online request's time to its first token, and the server's counters read then."""
     t0 = time.monotonic()
-    async with session.post(url + "/v1/completions", json={**_completion("online", 4), "stream": True}) as r:
+    async with session.post(url + "/v1/completions", json={**completion("online", 4), "stream": True}) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
             if line.startswith(b"data: {"):
@@ -134,7 +120,7 @@ async def test_a_lone_online_request_gets_a_batch_slot_before_its_first_token(ga
     tokens = "vllm:generation_tokens_total"
     async with aiohttp.ClientSession() as session:
         idle_ttft, _ = await _first_token(session, url)
-        batch = [asyncio.create_task(_post(session, url, _completion(f"batch {i}", LONG_TOKENS, priority=10)))
+        batch = [asyncio.create_task(_post(session, url, completion(f"batch {i}", LONG_TOKENS, priority=10)))
                  for i in range(MAX_NUM_SEQS)]
         full = await _until(session, url, lambda m: m.get("vllm:num_requests_running") == MAX_NUM_SEQS, 60)
         assert full.get("vllm:num_requests_running") == MAX_NUM_SEQS, full
@@ -160,7 +146,7 @@ async def test_a_lone_online_request_gets_a_batch_slot_before_its_first_token(ga
 async def test_requests_without_a_batch_priority_are_all_served_in_order(gated: VLLMServer) -> None:
     """A dedicated endpoint's traffic (no priority) is all online: queued beyond the slots, never shed."""
     async with aiohttp.ClientSession() as session:
-        answers = await asyncio.gather(*(_post(session, gated.base_url, _completion(f"plain {i}", 8))
+        answers = await asyncio.gather(*(_post(session, gated.base_url, completion(f"plain {i}", 8))
                                          for i in range(5)))
     assert [status for status, _, _ in answers] == [200] * 5
 
@@ -168,14 +154,7 @@ async def test_requests_without_a_batch_priority_are_all_served_in_order(gated: 
 async def test_shared_mode_through_an_online_burst_answers_every_batch_request_once(
     gated: VLLMServer, tmp_path: Path
 ) -> None:
-    n = 200
-    shard = tmp_path / "shard.jsonl"
-    lines = [{"custom_id": f"b{i:03d}", "method": "POST", "url": "/v1/completions",
-              "body": _completion(f"batch item {i}", 16)} for i in range(n)]
-    shard.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = DriverConfig(endpoint=gated.base_url, concurrency=8, deadline=time.time() + 600,
-                          api_key_env=None, capacity=SharedCapacity(target_inflight=MAX_NUM_SEQS, tick_s=0.1))
-    await check_endpoint(config, SERVED_NAME)  # both middlewares: the policy is still reported
+    # Both middlewares: the policy is still reported (shard_beside checks it first).
     preempted = 'aibrix_online_first_shed_total{reason="preempted"}'
 
     async def burst() -> tuple[list[int], float, float]:
@@ -188,20 +167,15 @@ async def test_shared_mode_through_an_online_burst_answers_every_batch_request_o
 
             async def client(i: int) -> None:
                 while time.monotonic() - t0 < 5.0:
-                    status, _, _ = await _post(session, gated.base_url, _completion(f"online {i}", 16))
+                    status, _, _ = await _post(session, gated.base_url, completion(f"online {i}", 16))
                     statuses.append(status)
 
             await asyncio.gather(*(client(i) for i in range(6)))
             end = (await _metrics(session, gated.base_url)).get(preempted, 0.0)
         return statuses, start, end
 
-    burst_task = asyncio.create_task(burst())
-    outcome = await run_shard(LocalStorage(), str(shard), str(tmp_path / "results"), config)
-    online_statuses, start, end = await burst_task
-    assert (outcome.completed, outcome.failed) == (n, 0)
-    results = [json.loads(line) for f in sorted((tmp_path / "results").rglob("*.jsonl"))
-               for line in f.read_text().splitlines()]
-    assert sorted(r["custom_id"] for r in results) == [f"b{i:03d}" for i in range(n)]  # each once
+    results, (online_statuses, start, end) = await priority_vllm.shard_beside(
+        burst, gated.base_url, 200, tmp_path)
     assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results)
     assert online_statuses and set(online_statuses) == {200}
     assert end > start, "the burst should have taken slots from running batch requests (server-reported)"

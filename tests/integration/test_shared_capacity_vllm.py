@@ -22,31 +22,22 @@ from aibrix_operators.capacity import policy
 from aibrix_operators.capacity.mode import SharedCapacity
 from aibrix_operators.driver.config import DriverConfig
 from aibrix_operators.driver.preflight import SharedModeRefused, check_endpoint
-from aibrix_operators.driver.runner import run_shard
-from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
-from aibrix_operators.storage import LocalStorage
+from aibrix_operators.serving.local_vllm import VLLMServer
+from tests.integration import priority_vllm
 from tests.integration.conftest import SERVED_NAME
+from tests.integration.priority_vllm import MAX_NUM_SEQS, completion
 
 # Who is served first, and what the controller saw, depend on the server's load: alone, not beside
 # another worker's vLLM (a burst under a second worker's load never filled vLLM's queue).
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
-MAX_NUM_SEQS = 2
 BURST_AT_MOST_S = 20.0
 
 
 @pytest.fixture(scope="module")
 def vllm_priority(tiny_model: Path) -> Iterator[VLLMServer]:
-    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, scheduling_policy="priority",
-                          extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
-    with VLLMServer(spec) as server:
+    with VLLMServer(priority_vllm.priority_spec(tiny_model)) as server:
         yield server
-
-
-def _completion(prompt: str, max_tokens: int, priority: int | None = None) -> dict:
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}
-    return body if priority is None else {**body, "priority": priority}
 
 
 async def _timed(session: aiohttp.ClientSession, url: str, body: dict, t0: float) -> tuple[int, float]:
@@ -75,7 +66,7 @@ async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
         t0 = time.monotonic()
         # 512 tokens each: the first two run for seconds, so the queue below stays put while the
         # online requests are sent.
-        batch = [asyncio.create_task(_timed(session, url, _completion(f"batch {i}", 512, priority=10), t0))
+        batch = [asyncio.create_task(_timed(session, url, completion(f"batch {i}", 512, priority=10), t0))
                  for i in range(6)]
         # The online requests go once the server reports two batch requests running and four
         # waiting: a condition, not a clock (a fixed 0.3 s sleep found none queued yet beside
@@ -86,7 +77,7 @@ async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
             assert time.monotonic() < deadline, f"(running, waiting) {seen}, want (2, 4), after 60 s"
             await asyncio.sleep(0.05)
             seen = await _queue(session, url)
-        online = [asyncio.create_task(_timed(session, url, _completion(f"online {i}", 4), t0))
+        online = [asyncio.create_task(_timed(session, url, completion(f"online {i}", 4), t0))
                   for i in range(2)]
         batch_done = await asyncio.gather(*batch)
         online_done = await asyncio.gather(*online)
@@ -100,16 +91,6 @@ async def test_online_requests_sent_later_are_served_before_waiting_batch_ones(
 async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_once(
     vllm_priority: VLLMServer, tmp_path: Path
 ) -> None:
-    # Long enough to outlast the longest burst below (~10 batch req/s here when not held back).
-    n = 300
-    shard = tmp_path / "shard.jsonl"
-    lines = [{"custom_id": f"b{i:03d}", "method": "POST", "url": "/v1/completions",
-              "body": _completion(f"batch item {i}", 16)} for i in range(n)]
-    shard.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = DriverConfig(endpoint=vllm_priority.base_url, concurrency=8, deadline=time.time() + 600,
-                          api_key_env=None, capacity=SharedCapacity(target_inflight=MAX_NUM_SEQS, tick_s=0.1))
-    await check_endpoint(config, SERVED_NAME)  # the server reports priority scheduling: accepted
-
     async def burst() -> tuple[list[int], list[tuple[float, int, str]], float | None]:
         await asyncio.sleep(1.0)
         # Held here, not looked up again at the end: a controller leaves the registry when its
@@ -125,7 +106,7 @@ async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_on
         async def client(i: int) -> None:  # closed loop: the next request as soon as one ends
             nonlocal held_at
             while time.monotonic() - t0 < BURST_AT_MOST_S:
-                status, _ = await _timed(session, vllm_priority.base_url, _completion(f"online {i}", 16), t0)
+                status, _ = await _timed(session, vllm_priority.base_url, completion(f"online {i}", 16), t0)
                 statuses.append(status)
                 if held_at is None and any(reason == policy.ONLINE_WAITING for _, _, reason in history()):
                     held_at = time.monotonic() - t0
@@ -141,13 +122,9 @@ async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_on
             await asyncio.gather(*(client(i) for i in range(8)))
         return statuses, history(), held_at
 
-    burst_task = asyncio.create_task(burst())
-    outcome = await run_shard(LocalStorage(), str(shard), str(tmp_path / "results"), config)
-    online_statuses, history, held_at = await burst_task
-    assert (outcome.completed, outcome.failed) == (n, 0)
-    results = [json.loads(line) for f in sorted((tmp_path / "results").rglob("*.jsonl"))
-               for line in f.read_text().splitlines()]
-    assert sorted(r["custom_id"] for r in results) == [f"b{i:03d}" for i in range(n)]  # each once
+    # 300 requests: long enough to outlast the longest burst (~10 batch req/s here when not held back).
+    _, (online_statuses, history, held_at) = await priority_vllm.shard_beside(
+        burst, vllm_priority.base_url, 300, tmp_path)
     assert online_statuses and set(online_statuses) == {200}
     # vLLM's own queue (its /metrics) told the controller online requests were waiting: it held
     # every batch request back (limit 0), and the batch finished after the burst.
