@@ -1,14 +1,16 @@
 """The pipeline across two worker nodes, S3 the only shared storage: the cases every leg runs
 (test_celery_leg.py, test_edge_leg.py; issue 37's multi-node tier; the clusters: conftest.py).
-Not collected here: each leg's module imports them beside its own ``cluster`` fixture, so the
-two legs are two files the parallel pass can put on two workers."""
+Not collected here: each leg's module imports them (``__all__``) beside its own ``cluster``
+fixture (``leg_cluster``), so the two legs are two files the parallel pass can put on two workers."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 from datetime import datetime
+from typing import Any
 
 import pytest
 
@@ -19,11 +21,35 @@ from tests.scaleout.conftest import (
     STUB_DELAY_S,
     WORKERS,
     Cluster,
+    running_cluster,
     set_pool,
     wait_for,
 )
 
+# The cases a leg collects with ``from tests.scaleout.leg_cases import *``: a new case is listed
+# once, here, and both legs run it.
+__all__ = [
+    "test_a_batch_runs_through_both_worker_nodes_on_s3",
+    "test_a_worker_cut_off_mid_shard_pauses_and_loses_nothing",
+    "test_a_worker_node_lost_mid_shard_loses_and_repeats_nothing",
+    "test_batches_waiting_for_the_dispatch_pool_go_by_deadline",
+    "test_max_workers_waits_cost_no_try",
+    "test_the_scheduler_lost_mid_batch_leaves_running_tasks_running",
+]
+
 CONCURRENCY = 4
+
+
+def leg_cluster(executor: str) -> Any:
+    """The module-scoped ``cluster`` fixture of the leg that runs ``executor`` ("celery", "edge")."""
+
+    @pytest.fixture(scope="module")
+    def cluster(airflow_session_env, tmp_path_factory) -> Iterator[Cluster]:
+        work = tmp_path_factory.mktemp(f"{executor}-leg")
+        with running_cluster(executor, airflow_session_env, work) as running:
+            yield running
+
+    return cluster
 
 
 def requests_file(cluster: Cluster, key: str, n: int) -> tuple[str, list[str]]:
