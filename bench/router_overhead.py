@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aibrix_operators.serving.local_vllm import free_port
+from aibrix_operators.serving.process import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 BODY = b'{"model":"tiny-llama","prompt":"Say something about routers and caches.","max_tokens":16}'
@@ -140,17 +141,7 @@ class Proc:
         raise TimeoutError(prefix)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            # A killed process still needs its core to exit; on a starved core that can take
-            # a while, and waiting longer would change nothing the caller can act on.
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_process(self.proc, grace_s=10)
 
 
 def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scrape
 
+from aibrix_operators.serving.process import stop_process
 from kvcache.launch import REPO, LocalServer, cached_tokens, free_port, kv_transfer_config
 
 pytestmark = pytest.mark.service
@@ -68,12 +69,7 @@ class RouterProcess:
             return json.loads(r.read())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        stop_process(self.proc, grace_s=15)
         self.log.close()
 
 

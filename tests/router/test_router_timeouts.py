@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from aibrix_operators.serving.local_vllm import free_port
+from aibrix_operators.serving.process import stop_process
 from tests.router.stub_backend import StubBackend
 
 pytestmark = pytest.mark.service
@@ -56,12 +57,7 @@ class RouterProcess:
         raise TimeoutError("the router did not become healthy")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, grace_s=10)
 
 
 @pytest.fixture

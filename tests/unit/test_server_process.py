@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from aibrix_operators.serving.process import ServerProcess, stop_process_group
+from aibrix_operators.serving.process import ServerProcess, stop_process, stop_process_group
 
 pytestmark = pytest.mark.service
 
@@ -103,3 +103,21 @@ def test_a_server_that_never_turns_healthy_is_stopped_saying_what_it_answered(tm
                                            rf"http://127.0.0.1:{port}/health: HTTP 503\)"):
         server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=3)
     assert not _alive(pid)
+
+
+def test_stop_process_kills_a_child_that_ignores_sigterm_after_grace():
+    script = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    started = time.monotonic()
+    stop_process(proc, grace_s=0.5)
+    assert proc.returncode == -9 and time.monotonic() - started < 8
+    assert not _alive(proc.pid)
+    stop_process(proc)  # already reaped: nothing to do, no error
+
+
+def test_stop_process_ends_a_child_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    stop_process(proc, grace_s=10)
+    assert proc.returncode == -15

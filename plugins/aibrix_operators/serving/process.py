@@ -62,6 +62,27 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     proc.wait()
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` alone (a child that spawns none: a router, a stub server), SIGKILL it after
+    ``grace_s``; return once it is reaped, or ``kill_wait_s`` after the SIGKILL.
+
+    A killed process still needs a core to exit; on a starved core that can take a while, and
+    waiting longer would change nothing the caller can act on. A server that spawns children
+    is started in its own session and stopped with :func:`stop_process_group`.
+    """
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(timeout=kill_wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
