@@ -71,6 +71,22 @@ def run_batch(input_path: Path, output_path: Path, model: str, served: str, *arg
     return read_jsonl(output_path.read_text())
 
 
+def salted_dag_run(env: dict[str, str], tmp_path: Path, requests: list[dict], endpoint: str, model: str,
+                   cache_salt: str) -> tuple[list[dict], dict]:
+    """``requests`` through the DAG with a batch salt (vLLM's requests of every endpoint here take
+    cache_salt, so salted lines must still answer); asserts the run ended clean, with every line
+    answered in input order. Returns the output lines and batch.json."""
+    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
+    out = tmp_path / "out"
+    proc = dags_test(env, {"input_uri": str(input_path), "output_uri": str(out), "endpoint": endpoint,
+                           "model": model, "cache_salt": cache_salt}, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert (out / "errors.jsonl").read_text() == ""
+    output = read_jsonl((out / "output.jsonl").read_text())
+    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
+    return output, json.loads((out / "batch.json").read_text())
+
+
 # --- /v1/responses on the tiny Llama -------------------------------------------------------------
 
 def responses_requests(n: int) -> list[dict]:
@@ -84,18 +100,8 @@ def responses_requests(n: int) -> list[dict]:
 
 def test_responses_batch_end_to_end(vllm_chat, airflow_session_env, tmp_path):
     requests = responses_requests(4)
-    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
-    out = tmp_path / "out"
-    # A batch salt: vLLM's ResponsesRequest takes cache_salt, so salted lines must still answer.
-    proc = dags_test(airflow_session_env, {
-        "input_uri": str(input_path), "output_uri": str(out), "endpoint": vllm_chat.base_url,
-        "model": SERVED_NAME, "cache_salt": "responses-test",
-    }, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-
-    assert (out / "errors.jsonl").read_text() == ""
-    output = read_jsonl((out / "output.jsonl").read_text())
-    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
+    output, batch = salted_dag_run(airflow_session_env, tmp_path, requests, vllm_chat.base_url, SERVED_NAME,
+                                   "responses-test")
     direct = post(vllm_chat.base_url, "/v1/responses", requests[0]["body"])
     for record in output:
         assert envelope(record) == ENVELOPE
@@ -113,7 +119,6 @@ def test_responses_batch_end_to_end(vllm_chat, airflow_session_env, tmp_path):
     # Greedy decoding on the same weights and prompt: the same tokens through the DAG as direct.
     assert _text(output[0]["response"]["body"]) == _text(direct)
 
-    batch = json.loads((out / "batch.json").read_text())
     assert (batch["status"], batch["endpoint"]) == ("completed", "/v1/responses")
     assert batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     # The Responses API's usage names (input_tokens/output_tokens) reach the batch totals.
@@ -193,20 +198,10 @@ def pooling_reference(tmp_path_factory) -> dict[str, dict]:
 
 
 def _pooling_dag(server: VLLMServer, env: dict[str, str], tmp_path: Path, requests: list[dict]) -> list[dict]:
-    input_path = write_jsonl(tmp_path / "input.jsonl", requests)
-    out = tmp_path / "out"
     # vLLM 0.32's pooling requests take cache_salt: salted lines must answer like unsalted ones.
-    proc = dags_test(env, {
-        "input_uri": str(input_path), "output_uri": str(out), "endpoint": server.base_url,
-        "model": MINILM, "cache_salt": "pooling-test",
-    }, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert (out / "errors.jsonl").read_text() == ""
-    batch = json.loads((out / "batch.json").read_text())
+    output, batch = salted_dag_run(env, tmp_path, requests, server.base_url, MINILM, "pooling-test")
     assert batch["status"] == "completed" and batch["endpoint"] == requests[0]["url"]
     assert batch["request_counts"]["completed"] == len(requests)
-    output = read_jsonl((out / "output.jsonl").read_text())
-    assert [r["custom_id"] for r in output] == [r["custom_id"] for r in requests]
     assert batch["usage"]["input_tokens"] == sum(r["response"]["body"]["usage"]["prompt_tokens"]
                                                  for r in output)
     return output
