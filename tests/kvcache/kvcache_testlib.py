@@ -6,13 +6,15 @@ import importlib.util
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from kvcache.launch import free_port
+from kvcache.launch import LocalServer, free_port
 
 
 class RedisServer:
@@ -57,6 +59,32 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password)
+
+
+
+@contextmanager
+def servers_on_one_redis(
+    make: Callable[[dict[str, Any]], tuple[LocalServer, ...]],
+) -> Iterator[tuple[RedisServer, tuple[LocalServer, ...]]]:
+    """A redis-server, and the servers ``make`` builds from the connector extra_config that gives them
+    its L2 tier to share, started side by side (a start is mostly waiting). Everything stops at the
+    end, also when a server failed to start."""
+    redis_srv = RedisServer().start()
+    # A Redis read slower than l2_redis_timeout_s marks L2 down for a moment: a load is then a
+    # miss and a handoff ends "unavailable", not what these tests check. The default 0.5 s was
+    # exceeded once while the two workers' servers shared the cores (make test-inference, 2026-12-03).
+    shared = {"l2_backend": "redis", "l2_redis_url": redis_srv.url, "l2_redis_timeout_s": 2.0}
+    try:
+        servers = make(shared)
+        try:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(lambda s: s.start(), servers))
+            yield redis_srv, servers
+        finally:
+            for server in servers:
+                server.stop()
+    finally:
+        redis_srv.stop()
 
 
 def scrape(port: int) -> dict[str, float]:

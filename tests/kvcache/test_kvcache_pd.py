@@ -24,11 +24,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scrape
+from kvcache_testlib import LOGPROB_TOL, greedy, random_prompt, scrape, servers_on_one_redis
 
 from aibrix_operators.serving.process import stop_process
 from kvcache.launch import REPO, LocalServer, cached_tokens, free_port, kv_transfer_config
@@ -75,32 +74,25 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def pd_pair(tiny_model):
-    redis_srv = RedisServer().start()
-    # A Redis read slower than l2_redis_timeout_s marks L2 down for a moment: a load is then a
-    # miss and a handoff ends "unavailable", not what these tests check. The default 0.5 s was
-    # exceeded once while the two workers' servers shared the cores (make test-inference, 2026-12-03).
-    shared = {"l2_backend": "redis", "l2_redis_url": redis_srv.url, "l2_redis_timeout_s": 2.0}
     consumer_metrics = free_port()
-    producer = LocalServer(
-        tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer")
-    )
-    consumer = LocalServer(
-        tiny_model,
-        kv_config=kv_transfer_config(
-            {**shared, "metrics_port": consumer_metrics, "handoff_wait_s": WAIT_S}, role="kv_consumer"
-        ),
-    )
-    for server in (producer, consumer):
-        # The router reads vLLM's load gauges from /metrics; LocalServer turns stats off.
-        server.cmd.remove("--disable-log-stats")
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(), (producer, consumer)))
+
+    def make(shared: dict[str, Any]) -> tuple[LocalServer, LocalServer]:
+        producer = LocalServer(
+            tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer")
+        )
+        consumer = LocalServer(
+            tiny_model,
+            kv_config=kv_transfer_config(
+                {**shared, "metrics_port": consumer_metrics, "handoff_wait_s": WAIT_S}, role="kv_consumer"
+            ),
+        )
+        for server in (producer, consumer):
+            # The router reads vLLM's load gauges from /metrics; LocalServer turns stats off.
+            server.cmd.remove("--disable-log-stats")
+        return producer, consumer
+
+    with servers_on_one_redis(make) as (redis_srv, (producer, consumer)):
         yield producer, consumer, redis_srv, consumer_metrics
-    finally:
-        producer.stop()
-        consumer.stop()
-        redis_srv.stop()
 
 
 @pytest.fixture(scope="module")

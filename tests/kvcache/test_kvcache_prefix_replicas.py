@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
-from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scrape
+from kvcache_testlib import LOGPROB_TOL, RedisServer, greedy, random_prompt, scrape, servers_on_one_redis
 
 from kvcache.launch import LocalServer, cached_tokens, free_port, kv_transfer_config
 
@@ -26,22 +26,14 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model: str) -> Iterator[tuple[LocalServer, LocalServer, RedisServer, int]]:
-    redis_srv = RedisServer().start()
-    # A Redis read slower than l2_redis_timeout_s marks L2 down for a moment: a load is then a
-    # miss and a handoff ends "unavailable", not what these tests check. The default 0.5 s was
-    # exceeded once while the two workers' servers shared the cores (make test-inference, 2026-12-03).
-    shared = {"l2_backend": "redis", "l2_redis_url": redis_srv.url, "l2_redis_timeout_s": 2.0}
     b_metrics = free_port()
-    a = LocalServer(tiny_model, kv_config=kv_transfer_config(shared))
-    b = LocalServer(tiny_model, kv_config=kv_transfer_config({**shared, "metrics_port": b_metrics}))
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(), (a, b)))
+
+    def make(shared: dict[str, Any]) -> tuple[LocalServer, LocalServer]:
+        return (LocalServer(tiny_model, kv_config=kv_transfer_config(shared)),
+                LocalServer(tiny_model, kv_config=kv_transfer_config({**shared, "metrics_port": b_metrics})))
+
+    with servers_on_one_redis(make) as (redis_srv, (a, b)):
         yield a, b, redis_srv, b_metrics
-    finally:
-        a.stop()
-        b.stop()
-        redis_srv.stop()
 
 
 def test_a_prefix_computed_on_one_replica_is_loaded_by_another(replicas) -> None:
