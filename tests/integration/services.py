@@ -32,6 +32,20 @@ class S3Server:
             aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
         )
 
+    def ensure_bucket(self, bucket: str):
+        """A client, with ``bucket`` created first if the server has none of that name yet (the
+        session's server is shared: the first test to need a bucket makes it)."""
+        client = self.client()
+        if bucket not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+            client.create_bucket(Bucket=bucket)
+        return client
+
+    def airflow_connection(self) -> dict:
+        """This server as an Airflow ``aws`` connection (json.dumps it into ``AIRFLOW_CONN_<ID>``):
+        the way the deployment hands tasks their S3 credentials, never AWS_* variables."""
+        return {"conn_type": "aws", "login": self.access_key, "password": self.secret_key,
+                "extra": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
     def env(self) -> dict[str, str]:
         return {
             "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,

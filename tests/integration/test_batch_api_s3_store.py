@@ -22,9 +22,7 @@ pytestmark = pytest.mark.service
 
 @pytest.fixture
 def store(s3_server) -> tuple[FileStore, object, str]:
-    client = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
-        client.create_bucket(Bucket=TEST_BUCKET)
+    client = s3_server.ensure_bucket(TEST_BUCKET)
     prefix = f"api-{uuid.uuid4().hex[:8]}"
     return FileStore(S3Storage(client), f"s3://{TEST_BUCKET}/{prefix}"), client, prefix
 

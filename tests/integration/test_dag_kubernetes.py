@@ -31,9 +31,7 @@ PLANTED = "sk-planted-k8s-3b9d27e1c4"  # the inference Secret's key: must never 
 
 @pytest.fixture(scope="module")
 def bucket(s3_server) -> str:
-    s3 = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
-        s3.create_bucket(Bucket=TEST_BUCKET)
+    s3_server.ensure_bucket(TEST_BUCKET)
     return TEST_BUCKET
 
 
@@ -54,12 +52,7 @@ def cluster(tmp_path_factory, s3_server, vllm_chat) -> Iterator[FakeCluster]:
 @pytest.fixture
 def k8s_env(airflow_session_env, cluster, s3_server) -> dict[str, str]:
     cluster.api.clear_faults()
-    conn = {
-        "conn_type": "aws",
-        "login": s3_server.access_key,
-        "password": s3_server.secret_key,
-        "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"},
-    }
+    conn = s3_server.airflow_connection()
     return {
         **airflow_session_env,
         "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),  # validate/split/merge; pods use the S3 Secret

@@ -57,12 +57,9 @@ def cluster(tmp_path_factory, s3_server, vllm_chat) -> Iterator[FakeCluster]:
 
 @pytest.fixture(scope="module")
 def airflow(airflow_session_env, tmp_path_factory, cluster, s3_server) -> Iterator[AirflowDeployment]:
-    s3 = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
-        s3.create_bucket(Bucket=TEST_BUCKET)
+    s3_server.ensure_bucket(TEST_BUCKET)
     home = tmp_path_factory.mktemp("airflow-k8s-scaling")
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     env = {
         **airflow_session_env,
         "AIRFLOW_HOME": str(home),

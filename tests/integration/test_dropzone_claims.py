@@ -32,9 +32,7 @@ B = b'{"custom_id": "b"}\n'
 
 @pytest.fixture
 def s3(s3_server):
-    client = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
-        client.create_bucket(Bucket=TEST_BUCKET)
+    client = s3_server.ensure_bucket(TEST_BUCKET)
     return client
 
 
@@ -157,8 +155,7 @@ def _first_event(trigger: DropZoneTrigger) -> dict:
 def test_the_trigger_fires_for_unhandled_versions_and_reports_an_unreadable_inbox(
     s3, s3_server, zone, monkeypatch
 ):
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     monkeypatch.setenv("AIRFLOW_CONN_DZ_S3", json.dumps(conn))
     monkeypatch.setenv("AIRFLOW_CONN_DZ_WRONG", json.dumps({**conn, "password": "bad-secret-7f3a"}))
 
@@ -205,8 +202,7 @@ def test_names_storage_cannot_address_are_never_claimed_and_block_nothing(s3, s3
         put(s3, zone, name, B)
     put(s3, zone, "ab.jsonl", A)
     put(s3, zone, "good.jsonl", A)
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     monkeypatch.setenv("AIRFLOW_CONN_DZ_S3", json.dumps(conn))
     trigger = DropZoneTrigger(zone.inbox, zone.outbox, "dz_s3", poll_interval_s=0.2, timeout_s=30,
                               max_files=2)

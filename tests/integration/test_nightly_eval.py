@@ -77,11 +77,8 @@ def pushed(gateway: str, name: str, **labels: str) -> float:
 def test_nightly_eval_two_suites_deltas_and_a_degraded_night(
     eval_model, airflow_session_env, s3_server, gateway, tmp_path
 ):
-    client = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
-        client.create_bucket(Bucket=TEST_BUCKET)
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    client = s3_server.ensure_bucket(TEST_BUCKET)
+    conn = s3_server.airflow_connection()
     # the evaluate task pushes the night's scores; the shard drivers push their totals
     env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
            "AIBRIX_PUSHGATEWAY_URL": gateway}

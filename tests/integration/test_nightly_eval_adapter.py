@@ -59,11 +59,8 @@ def publish(s3: S3Server, folder: Path) -> dict[str, str]:
 def test_adapter_gain_side_by_side_then_a_regression_of_the_adapter_alone(
     trained, airflow_session_env, s3_server, tmp_path
 ):
-    client = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
-        client.create_bucket(Bucket=TEST_BUCKET)
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    client = s3_server.ensure_bucket(TEST_BUCKET)
+    conn = s3_server.airflow_connection()
     registry = tmp_path / "lora-adapters.json"
     env = {**airflow_session_env, **s3_server.env(), "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
            "AIRFLOW__AIBRIX_BATCH__LORA_ADAPTERS": str(registry),

@@ -35,12 +35,9 @@ def cleanup_dag(env: dict[str, str], log_dir: Path) -> subprocess.CompletedProce
 
 
 def test_expired_outputs_are_deleted_on_s3_and_the_rest_kept(fake, airflow_session_env, s3_server, tmp_path):
-    s3 = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
-        s3.create_bucket(Bucket=TEST_BUCKET)
+    s3 = s3_server.ensure_bucket(TEST_BUCKET)
     prefix = f"expiry-{uuid.uuid4().hex[:8]}"
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     index = tmp_path / "state" / "expiring"
     env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),
            "AIRFLOW__AIBRIX_BATCH__STATE_ROOT": str(tmp_path / "state")}

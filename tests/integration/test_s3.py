@@ -75,8 +75,7 @@ def test_dag_reads_and_writes_s3_with_an_airflow_connection(
     requests = chat_requests(25)
     body = "".join(json.dumps(r) + "\n" for r in requests).encode()
     client.put_object(Bucket=bucket, Key="in/batch.jsonl", Body=body)
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     # Credentials reach the task only through the Airflow connection, not AWS_* variables.
     env = {**airflow_session_env, "AIRFLOW_CONN_BATCH_S3": json.dumps(conn)}
     proc = dags_test(env, {

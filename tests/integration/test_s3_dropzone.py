@@ -22,12 +22,9 @@ PREFIX = "dropzone/"
 
 @pytest.fixture
 def airflow(airflow_session_env, s3_server, vllm_chat, tmp_path_factory):
-    client = s3_server.client()
-    if TEST_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
-        client.create_bucket(Bucket=TEST_BUCKET)
+    s3_server.ensure_bucket(TEST_BUCKET)
     home = tmp_path_factory.mktemp("airflow-dropzone")
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    conn = s3_server.airflow_connection()
     env = {
         **airflow_session_env, "AIRFLOW_HOME": str(home),
         "AIRFLOW_CONN_BATCH_S3": json.dumps(conn),

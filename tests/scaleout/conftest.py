@@ -141,8 +141,7 @@ def running_cluster(executor: str, airflow_session_env: dict[str, str], root: Pa
         try:
             with postgres(also_on=ctl, clients=subnet) as db, redis_broker(also_on=ctl) as broker:
                 s3.client().create_bucket(Bucket=BUCKET)
-                conn = {"conn_type": "aws", "login": s3.access_key, "password": s3.secret_key,
-                        "extra": {"endpoint_url": s3.endpoint, "region_name": "us-east-1"}}  # fmt: skip
+                conn = s3.airflow_connection()
                 home = root / "control"
                 env = {**airflow_session_env, **EXECUTOR_ENV[executor], "AIRFLOW_HOME": str(home),
                        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db.url(),
