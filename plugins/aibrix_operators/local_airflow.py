@@ -102,6 +102,13 @@ class AirflowDeployment:
         for proc in reversed(self.procs):
             stop_process_group(proc)
 
+    # ``with start_airflow(env, home) as deployment:`` stops every component however the block ends.
+    def __enter__(self) -> AirflowDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def lose(self, component: str) -> list[int]:
         """SIGKILL ``component`` and every process below it, as a lost node would lose them
         (a LocalExecutor's task processes are the scheduler's descendants); their pids."""

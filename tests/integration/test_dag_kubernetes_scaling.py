@@ -72,11 +72,8 @@ def airflow(airflow_session_env, tmp_path_factory, cluster, s3_server) -> Iterat
         "AIRFLOW__AIBRIX_SCALING__NAMESPACE": NS,
         "AIRFLOW__AIBRIX_SCALING__INTERVAL_S": "10",  # MIN_INTERVAL_S
     }
-    deployment = start_airflow(env, home)
-    try:
+    with start_airflow(env, home) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 def fresh_roles(cluster: FakeCluster, vllm_base_url: str) -> None:

@@ -16,11 +16,8 @@ pytestmark = pytest.mark.e2e
 def airflow(airflow_session_env, tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow-rest")
     env = {**airflow_session_env, "AIRFLOW_HOME": str(home)}
-    deployment = start_airflow(env, home)
-    try:
+    with start_airflow(env, home) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 def test_rest_api_triggers_a_batch_run(airflow, vllm_chat, tmp_path):

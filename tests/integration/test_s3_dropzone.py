@@ -36,11 +36,8 @@ def airflow(airflow_session_env, s3_server, vllm_chat, tmp_path_factory):
             "endpoint": vllm_chat.base_url, "model": SERVED_NAME, "requests_per_shard": 5}),
         "AIRFLOW__AIBRIX_DROPZONE__POLL_INTERVAL_S": "1",
     }
-    deployment = start_airflow(env, home)
-    try:
+    with start_airflow(env, home) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 def _key(uri: str) -> str:

@@ -34,11 +34,8 @@ def airflow(airflow_session_env, tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow-loss")
     env = {**airflow_session_env, "AIRFLOW_HOME": str(home)}
     assert all(env[k] == v for k, v in RECOVERY_ENV.items())  # the shipped settings, no test's own
-    deployment = start_airflow(env, home)
-    try:
+    with start_airflow(env, home) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 def _segments(out: Path) -> int:
