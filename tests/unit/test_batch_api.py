@@ -7,7 +7,6 @@ import contextlib
 import json
 import time
 
-import httpx
 import pytest
 
 from aibrix_operators.batch_api.auth import authenticate, key_digest, parse_keyring
@@ -26,6 +25,7 @@ from aibrix_operators.batch_api.settings import ApiSettings, parse_models
 from aibrix_operators.batch_api.status import RunSnapshot, TaskState, batch_object, batch_status
 from aibrix_operators.batch_api.upload import receive_upload
 from aibrix_operators.storage import LocalStorage
+from tests.batch_api_uploads import assert_hidden_from, chunks, multipart
 
 
 def test_ids_are_strict_and_sort_by_age():
@@ -137,31 +137,21 @@ def test_status_mapping():
     assert batch_object(live)["request_counts"] == {"total": 10, "completed": 3, "failed": 1}
 
 
-def _multipart(data: bytes, name: str = "in.jsonl", purpose: str = "batch") -> tuple[bytes, str]:
-    req = httpx.Request("POST", "http://x/", files={"file": (name, data)}, data={"purpose": purpose})
-    return req.read(), req.headers["content-type"]
-
-
-async def _chunks(body: bytes, size: int = 7000):
-    for i in range(0, len(body), size):
-        yield body[i:i + size]
-
-
 def test_upload_streams_and_oversize_publishes_nothing(tmp_path):
     store = FileStore(LocalStorage(), str(tmp_path))
     payload = b'{"custom_id": "a"}\n' * 5000
-    body, ctype = _multipart(payload)
-    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", len(payload)))
+    body, ctype = multipart(payload)
+    stored = asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", len(payload)))
     assert stored.bytes == len(payload)
     assert b"".join(store.open_content("alpha", stored.id)) == payload
     with pytest.raises(ApiError) as exc:
-        asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", len(payload) - 1))
+        asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", len(payload) - 1))
     assert exc.value.status == 413
     files = sorted(p.name for p in (tmp_path / "tenants" / "alpha" / "files").iterdir())
     assert files == [stored.id + ".json", stored.id + ".jsonl"]  # no second file, no temp left
-    for bad_body, bad_type in (_multipart(payload, purpose="fine-tune"), (body, "application/json")):
+    for bad_body, bad_type in (multipart(payload, purpose="fine-tune"), (body, "application/json")):
         with pytest.raises(ApiError) as exc:
-            asyncio.run(receive_upload(_chunks(bad_body), bad_type, store, "alpha", 10**7))
+            asyncio.run(receive_upload(chunks(bad_body), bad_type, store, "alpha", 10**7))
         assert exc.value.status == 400
 
 
@@ -190,24 +180,21 @@ class _FailingWrites(LocalStorage):
 def test_upload_writes_in_order_off_the_event_loop_and_a_store_failure_publishes_nothing(tmp_path):
     # Several MiB: the writes go through the writer thread's queue, and must land in order.
     payload = b"".join(b'{"custom_id": "r%07d"}\n' % i for i in range(200_000))
-    body, ctype = _multipart(payload)
+    body, ctype = multipart(payload)
     store = FileStore(LocalStorage(), str(tmp_path / "ok"))
-    stored = asyncio.run(receive_upload(_chunks(body, 65536), ctype, store, "alpha", 10**8))
+    stored = asyncio.run(receive_upload(chunks(body, 65536), ctype, store, "alpha", 10**8))
     assert b"".join(store.open_content("alpha", stored.id)) == payload
     broken = FileStore(_FailingWrites(2 << 20), str(tmp_path / "broken"))
     with pytest.raises(OSError, match="full"):
-        asyncio.run(receive_upload(_chunks(body, 65536), ctype, broken, "alpha", 10**8))
+        asyncio.run(receive_upload(chunks(body, 65536), ctype, broken, "alpha", 10**8))
     assert not list((tmp_path / "broken").rglob("*.json*"))  # no content, no meta, no temp file
 
 
 def test_file_store_keeps_tenants_apart(tmp_path):
     store = FileStore(LocalStorage(), str(tmp_path))
-    body, ctype = _multipart(b"{}\n")
-    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 100))
-    with pytest.raises(ApiError) as exc:
-        store.get("beta", stored.id)
-    assert exc.value.status == 404
-    assert store.list("beta", None, 10, "desc", None) == ([], False)
+    body, ctype = multipart(b"{}\n")
+    stored = asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", 100))
+    assert_hidden_from(store, "beta", stored.id)
     # A meta object pointing outside the tenant's prefix is treated as missing.
     evil = StoredFile(new_file_id(), 1, 1, "x", "batch", str(tmp_path / "tenants" / "beta" / "x"))
     with pytest.raises(ValueError):
@@ -219,8 +206,8 @@ def test_ids_with_a_trailing_newline_or_space_are_refused_everywhere(tmp_path, s
     # Issue 19, finding 11: "$" matched before a trailing newline, and S3 drops the newline, so
     # the id aliased the real file. The real file stays reachable by its own id.
     store = FileStore(LocalStorage(), str(tmp_path))
-    body, ctype = _multipart(b"{}\n")
-    stored = asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 100))
+    body, ctype = multipart(b"{}\n")
+    stored = asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", 100))
     for check in (lambda: check_file_id(stored.id + suffix), lambda: store.get("alpha", stored.id + suffix),
                   lambda: store.list("alpha", stored.id + suffix, 10, "desc", None),
                   lambda: check_batch_id(new_batch_id("alpha") + suffix)):  # fmt: skip
@@ -236,13 +223,13 @@ def test_ids_with_a_trailing_newline_or_space_are_refused_everywhere(tmp_path, s
 def test_a_batch_upload_must_be_a_jsonl_file_and_publishes_nothing(tmp_path, name):
     # Issue 19, finding 16: OpenAI answers 400 for anything but .jsonl with purpose=batch.
     store = FileStore(LocalStorage(), str(tmp_path))
-    body, ctype = _multipart(b'{"custom_id": "a"}\n', name=name)
+    body, ctype = multipart(b'{"custom_id": "a"}\n', name=name)
     with pytest.raises(ApiError) as exc:
-        asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 1000))
+        asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", 1000))
     assert (exc.value.status, exc.value.message) == (400, "Invalid file format for Batch API. Must be .jsonl")
     assert store.list("alpha", None, 10, "desc", None) == ([], False)
-    body, ctype = _multipart(b'{"custom_id": "a"}\n', name="Input.JSONL")  # the well-formed upload succeeds
-    assert asyncio.run(receive_upload(_chunks(body), ctype, store, "alpha", 1000)).filename == "Input.JSONL"
+    body, ctype = multipart(b'{"custom_id": "a"}\n', name="Input.JSONL")  # the well-formed upload succeeds
+    assert asyncio.run(receive_upload(chunks(body), ctype, store, "alpha", 1000)).filename == "Input.JSONL"
 
 
 def test_timestamps_are_set_with_their_status_and_never_move():
