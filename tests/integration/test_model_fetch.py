@@ -62,6 +62,12 @@ def publish(s3: S3Server, bucket: str, model: Path) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
+def published_model(s3: S3Server, bucket: str, root: Path) -> tuple[Path, str]:
+    """The default test model made under ``root`` and published: its directory and its s3:// source."""
+    model = make_model(root)
+    return model, publish(s3, bucket, model)
+
+
 def model_files(model: Path) -> dict[str, bytes]:
     return {
         p.relative_to(model).as_posix(): p.read_bytes()
@@ -90,8 +96,7 @@ def summary(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 def test_every_file_arrives_byte_identical_and_a_second_run_downloads_nothing(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     dest = tmp_path / "dest" / "model"
     first = summary(fetch(s3_server, source, dest))
     assert model_files(dest) == model_files(model)
@@ -107,8 +112,7 @@ def test_every_file_arrives_byte_identical_and_a_second_run_downloads_nothing(
 def test_a_flipped_byte_fails_with_the_files_name_in_the_termination_message(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     bad = bytearray((model / "model-00001.safetensors").read_bytes())
     bad[len(bad) // 2] ^= 0x01  # same size: only the digest can tell
     _, _, prefix = source.removeprefix("s3://").partition("/")
@@ -128,8 +132,7 @@ def test_a_longer_object_whose_first_bytes_match_is_refused(
 ) -> None:
     # Ranged GETs of exactly the manifest's bytes would hash to the manifest's digest: the
     # object's own size (Content-Range) must be checked too.
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     _, _, prefix = source.removeprefix("s3://").partition("/")
     longer = (model / "model-00002.safetensors").read_bytes() + b"extra"
     s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/model-00002.safetensors", Body=longer)
@@ -139,8 +142,7 @@ def test_a_longer_object_whose_first_bytes_match_is_refused(
 
 
 def test_a_missing_object_fails_naming_it(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     _, _, prefix = source.removeprefix("s3://").partition("/")
     s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/tok/tokenizer.json")
     log = tmp_path / "termination-log"
@@ -184,8 +186,7 @@ def test_a_killed_fetch_resumes_without_downloading_the_verified_files_again(
 def test_unrecorded_files_are_rehashed_and_reverify_catches_a_change_in_place(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     dest = tmp_path / "dest"
     summary(fetch(s3_server, source, dest))
     # A crash between a rename and its journal line: the file is in place, unrecorded.
@@ -212,8 +213,7 @@ def test_unrecorded_files_are_rehashed_and_reverify_catches_a_change_in_place(
 def test_a_path_outside_dest_is_refused_before_anything_is_written(
     s3_server: S3Server, bucket: str, tmp_path: Path, evil: str
 ) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     # The object exists under that key where the store takes it (SeaweedFS refuses keys with
     # ".."), so only the fetcher's own check stands in the way.
     _, _, prefix = source.removeprefix("s3://").partition("/")
@@ -242,8 +242,7 @@ def test_a_path_outside_dest_is_refused_before_anything_is_written(
 def test_a_symlink_in_dest_and_stray_files_are_refused(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     dest = tmp_path / "dest"
@@ -260,8 +259,7 @@ def test_a_symlink_in_dest_and_stray_files_are_refused(
 
 
 def test_a_pinned_manifest_that_differs_is_refused(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
-    model = make_model(tmp_path)
-    source = publish(s3_server, bucket, model)
+    model, source = published_model(s3_server, bucket, tmp_path)
     done = fetch(s3_server, source, tmp_path / "dest", "--manifest-sha256=" + "0" * 64)
     assert done.returncode == EXIT_USAGE
     assert f"manifest {source}/{MANIFEST_NAME}: sha256 " in done.stderr and "pinned" in done.stderr
