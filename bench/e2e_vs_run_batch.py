@@ -136,14 +136,20 @@ def run_dag(model: str, name: str, input_path: Path, out: Path, submit,
     return time.monotonic() - started
 
 
+def add_stack_args(p: argparse.ArgumentParser, repeats: int, repeats_help: str) -> None:
+    """The options every bench that runs the DAG beside run_batch takes (prefix_batching.py too):
+    the model, its served name, how many alternating rounds, and how the DAG is triggered."""
+    p.add_argument("--model", default=str(WORK_DIR / "models" / "tiny-llama"))
+    p.add_argument("--served-model-name", default="tiny-llama")
+    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    p.add_argument("--trigger", choices=["rest", "dags-test"], default="rest")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--model", default=str(WORK_DIR / "models" / "tiny-llama"))
-    p.add_argument("--served-model-name", default="tiny-llama")
-    p.add_argument("--repeats", type=int, default=2, help="alternating rounds of both paths")
-    p.add_argument("--trigger", choices=["rest", "dags-test"], default="rest")
+    add_stack_args(p, 2, "alternating rounds of both paths")
     args = p.parse_args()
 
     bench_dir = WORK_DIR / "bench" / "e2e"

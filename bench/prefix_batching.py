@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_vs_run_batch import (  # noqa: E402 - the bench directory is not a package
+    add_stack_args,
     bench_env,
     count_lines,
     dag_submitter,
@@ -95,10 +96,7 @@ def main() -> int:
     p.add_argument("--prefix-words", type=int, default=240, help="words per template (~5 tokens each)")
     p.add_argument("--kv-cache-mib", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--model", default=str(WORK_DIR / "models" / "tiny-llama"))
-    p.add_argument("--served-model-name", default="tiny-llama")
-    p.add_argument("--repeats", type=int, default=1, help="alternating rounds of every path")
-    p.add_argument("--trigger", choices=["rest", "dags-test"], default="rest")
+    add_stack_args(p, 1, "alternating rounds of every path")
     p.add_argument("--skip-unique", action="store_true", help="only the shared-prefix workload")
     p.add_argument("--skip-shared", action="store_true", help="only the no-shared-prefix workload")
     args = p.parse_args()
