@@ -12,10 +12,11 @@ deadlines, at the rate learned with ``measured`` / ``Rate.learn`` from the batch
 ``refuse`` for windows it cannot meet. Until a first batch has finished there is no rate, and
 batches are admitted "with no measurement".
 
-Two live estimates are scored at the moment a batch is 10 % done, against when it really ends:
-``own rate`` (what the Batch API shows: now + remaining x elapsed / answered) and ``queue`` (the
-admission estimate again, from that moment: the batch's remaining tokens behind the remaining work of
-earlier deadlines, at the learned rate).
+Three live estimates are scored at the moment a batch is 10 % done, against when it really ends:
+``own`` (the batch's own rate: now + remaining x elapsed / answered, what the Batch API showed
+before 2026-12-06), ``api`` (what it shows now: the batch's remaining tokens at the learned rate)
+and ``queue`` (the admission estimate again, from that moment: those tokens behind the remaining
+work of earlier deadlines, at the learned rate).
 
     .venv/bin/python bench/admission_replay.py                       # seed 1, 24 h
     .venv/bin/python bench/admission_replay.py --seeds 1,2,3 --json /tmp/admission.json
@@ -56,6 +57,7 @@ class Batch:
     finished: float | None = None
     eta_own: float | None = None
     eta_queue: float | None = None
+    eta_api: float | None = None
     tenth_at: float | None = None
     admitted_feasible: bool | None = None
     answered: int = field(default=0)
@@ -127,6 +129,8 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
                                 else (x.estimate_tokens or 0) for _, _, x in running
                                 if x is not b and x.deadline <= b.deadline)
                     b.eta_queue = b.tenth_at + (ahead + 0.9 * b.true_tokens) / rate.tokens_per_s
+                    # What the Batch API shows (batch_api/status.py): its own tokens left, at the rate.
+                    b.eta_api = b.tenth_at + 0.9 * b.true_tokens / rate.tokens_per_s
             if b.done_tokens >= b.true_tokens - 1e-6:
                 heapq.heappop(running)
                 b.finished = now + STEP_S - budget / (capacity * drift)
@@ -139,7 +143,7 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
     def errors(kind: str) -> list[float]:
         out = []
         for b in admitted:
-            eta = b.eta_own if kind == "own" else b.eta_queue
+            eta = {"own": b.eta_own, "queue": b.eta_queue, "api": b.eta_api}[kind]
             if eta is None or b.finished is None or b.tenth_at is None:
                 continue
             out.append(abs(eta - b.finished) / max(b.finished - b.tenth_at, 1.0))
@@ -153,7 +157,7 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
               "refused": len(refused),
               "admitted_without_measurement": no_measurement, "missed_windows": missed,
               "missed_windows_admitted_without_measurement": missed_unmeasured}
-    for kind in ("own", "queue"):
+    for kind in ("own", "queue", "api"):
         errs = sorted(errors(kind))
         if errs:
             result[f"eta_error_{kind}"] = {

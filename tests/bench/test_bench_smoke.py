@@ -270,6 +270,9 @@ def test_admission_replay_admits_refuses_and_scores_its_estimates(tmp_path: Path
     assert result["admitted"] + result["refused"] == result["batches"] > 10
     assert result["refused"] > 0 and result["missed_windows"] == []
     assert {"p50", "p90", "share_within_15pct"} <= set(result["eta_error_own"])
+    # What the API shows is scored too; with nothing ahead at 10 % (earliest deadline first) it is the
+    # queue estimate.
+    assert result["eta_error_api"]["p50"] == result["eta_error_queue"]["p50"]
     assert bench.main(["--seeds", "2", "--hours", "1", "--json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())[0]["seed"] == 2
     assert '"seed": 2' in capsys.readouterr().out
@@ -280,3 +283,18 @@ def test_validate_pair_times_both_trees(capsys: pytest.CaptureFixture[str]) -> N
     bench = _load("validate_pair")
     assert bench.main(["--other", str(BENCH.parent / "plugins"), "--lines", "300", "--pairs", "1"]) == 0
     assert "this / other (medians):" in capsys.readouterr().out
+
+
+def test_eta_real_stack_scores_an_estimate_against_the_end() -> None:
+    bench = _load("eta_real_stack")
+    lines = bench.batch_file(20, (8, 16), seed=1).decode().splitlines()
+    assert len(lines) == 20 and all(8 <= json.loads(x)["body"]["max_tokens"] <= 16 for x in lines)
+    # In progress from t=100; 10 answered of 100 at t=110, when the estimate says t=200; ended at 190:
+    # off by 10 s of the 80 to go. The own rate (10 s for 10) says 110 + 90 = 200 as well.
+    polls = [{"t": 105.0, "status": "in_progress", "answered": 0, "total": 100, "estimate": None},
+             {"t": 110.0, "status": "in_progress", "answered": 10, "total": 100,
+              "estimate": {"completion_at": 200, "basis": "b"}}]
+    scored = bench.score("b1", 100, "1h", polls, {"status": "completed", "end": 190.0, "in_progress_at": 100,
+                                                  "created_at": 90})
+    assert scored["at_10"]["error"] == 0.125 and scored["at_10"]["own_rate_error"] == 0.125
+    assert scored["at_25"] is None and scored["seconds"] == 100.0

@@ -151,6 +151,13 @@ def test_the_api_shows_the_admitted_estimate_then_the_batchs_own_rate() -> None:
     snap.live_counts = (100, 25, 0)  # a quarter answered in the 100 s since validation ended
     live = batch_object(snap, now=300)["aibrix_estimate"]
     assert live["completion_at"] == 600 and "own rate so far: 25 answers in 100 s" in live["basis"]
+    # With its tokens so far, the tokens it has left at the endpoint's measured rate: 75 requests at
+    # 100 tokens an answer, 7,500 tokens at 200 tokens/s, 37.5 s from now (not the 200 s its own rate
+    # says, which counts the time it waited as time it was slow).
+    snap.live_usage = {"input_tokens": 2000, "output_tokens": 500, "total_tokens": 2500}
+    live = batch_object(snap, now=300)["aibrix_estimate"]
+    assert live["completion_at"] == 338 and live["tokens_left"] == 7500, live
+    assert "7500 tokens left (2500 in its 25 answers so far)" in live["basis"]
     text = describe_estimate({"completion_at": 0, "basis": "b", "feasible": False, "earliest_window": "2h"})
     assert text.startswith("done by 1970-01-01 00:00:00 UTC (b); AT RISK") and "would be met is 2h" in text
 

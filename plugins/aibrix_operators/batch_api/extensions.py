@@ -12,7 +12,8 @@ PARTIAL_OUTPUT_FILE_ID = "aibrix_partial_output_file_id"
 # While in progress: {"total": shards, "done": shards finished}.
 SHARDS = "aibrix_shards"
 # Until it ends: when the batch will be done and what that rests on (batch/admission.py): the estimate
-# it was admitted with, then, once answers come, its own rate so far. Null when nothing says.
+# it was admitted with, then, once answers come, its tokens left at the endpoint's measured rate (its
+# own rate so far where no rate is measured; batch_api/status.py). Null when nothing says.
 ESTIMATE = "aibrix_estimate"
 # On a deployment that sets prices ([aibrix_batch] prices): what the batch cost (batch/cost.py), from its
 # usage so far while it runs, batch.json's at the end.

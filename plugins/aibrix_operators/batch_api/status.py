@@ -5,6 +5,7 @@ The status comes from ``batch/lifecycle.py``; this module shapes the object a cl
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -159,15 +160,28 @@ def _status_line(snap: RunSnapshot, status: BatchStatus, counts: dict[str, int],
 
 def _estimate(snap: RunSnapshot, counts: dict[str, int], in_progress_at: int | None,
               now: float | None) -> dict[str, Any] | None:
-    """When the batch will be done: at its own rate once it has answers (the live ETA), else the
-    estimate it was admitted with (batch/admission.py)."""
+    """When the batch will be done: the estimate it was admitted with (batch/admission.py) until it has
+    answers; then the tokens it has left — its unanswered requests at its own tokens per answer so
+    far — at the endpoint's measured rate (the rate it was admitted with). Without a measured rate, its
+    own rate so far, which counts the time it waited (for split, for earlier-deadline batches) as if it
+    were slow: far off early on (bench/eta_real_stack.py, bench/RESULTS.md)."""
     answered = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
     total = int(counts.get("total", 0))
     now = time.time() if now is None else now
+    admitted = snap.estimate or {}
     if snap.live_counts is not None and answered > 0 and in_progress_at and now > in_progress_at:
+        rate = admitted.get("tokens_per_s")
+        so_far = (snap.live_usage or {}).get("total_tokens")
+        if isinstance(rate, int | float) and rate > 0 and isinstance(so_far, int) and so_far > 0:
+            left = (total - answered) * so_far / answered
+            return {"completion_at": math.ceil(now + left / rate), "tokens_left": round(left),
+                    "tokens_per_s": rate,
+                    "basis": f"{round(left)} tokens left ({so_far} in its {answered} answers so far) at "
+                             f"the endpoint's measured {rate} tokens/s"}
         elapsed = now - in_progress_at
         return {"completion_at": int(now + (total - answered) * elapsed / answered),
-                "basis": f"this batch's own rate so far: {answered} answers in {elapsed:.0f} s"}
+                "basis": f"this batch's own rate so far: {answered} answers in {elapsed:.0f} s "
+                         "(no measured rate for its endpoint)"}
     if snap.estimate is not None:
         keep = ("completion_at", "basis", "feasible", "earliest_window", "tokens", "ahead_tokens",
                 "tokens_per_s")
