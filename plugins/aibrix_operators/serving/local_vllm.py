@@ -50,16 +50,17 @@ def free_port() -> int:
     (docs/testing.md). Below the range only an explicit bind can take a port, and ours probe first.
     """
     low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(200) if low > PORTS_FROM + 1000 else ():
-        port = rng.randrange(PORTS_FROM, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))  # every address: a server may bind any of them
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # an unusual range: the kernel's choice, as before
+    if low > PORTS_FROM + 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(PORTS_FROM, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))  # every address: a server may bind any of them
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # an unusual range, or no free port in it: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
