@@ -73,17 +73,12 @@ def start_stack(work: Path, vllm_url: str, key: str) -> AirflowDeployment:
     for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(k, None)
     deployment = start_airflow(env, home)
-    token = deployment.token()
-    deadline = time.monotonic() + 120
-    while True:  # the dag-processor parses the DAG shortly after start
-        try:
-            deployment.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": False}, token)
-            return deployment
-        except AssertionError:
-            if time.monotonic() > deadline:
-                deployment.stop()
-                raise
-            time.sleep(1)
+    try:
+        deployment.unpause("batch_inference")
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
 
 
 def run(sizes: list[int], windows: list[str], max_tokens: list[tuple[int, int]], poll_s: float,

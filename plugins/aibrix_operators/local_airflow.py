@@ -109,6 +109,20 @@ class AirflowDeployment:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def unpause(self, *dag_ids: str, token: str | None = None, timeout_s: float = 120) -> None:
+        """Unpause DAGs, waiting for the dag-processor to parse them (shortly after start)."""
+        token = token or self.token()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                for dag_id in dag_ids:
+                    self.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
+                return
+            except AssertionError as exc:  # not parsed yet
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the DAGs {dag_ids} were never parsed: {exc}") from exc
+                time.sleep(1)
+
     def lose(self, component: str) -> list[int]:
         """SIGKILL ``component`` and every process below it, as a lost node would lose them
         (a LocalExecutor's task processes are the scheduler's descendants); their pids."""
@@ -191,15 +205,7 @@ def trigger_and_wait(
 ) -> dict[str, Any]:
     """Unpause ``dag_id``, trigger a run with ``conf`` and poll until it ends; the run record."""
     token = deployment.token()
-    deadline = time.monotonic() + 120
-    while True:  # the dag-processor parses the DAG folder shortly after start
-        try:
-            deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+    deployment.unpause(dag_id, token=token)
     run = deployment.api("POST", f"/api/v2/dags/{dag_id}/dagRuns",
                          {"logical_date": None, "conf": conf}, token)
     deadline = time.monotonic() + timeout_s

@@ -82,7 +82,7 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
     }
     deployment = start_airflow(env, home, port)
     try:
-        unpause(deployment, deployment.token(), "batch_inference")
+        deployment.unpause("batch_inference")
         yield Api(deployment, keys, root)
     finally:
         deployment.stop()
@@ -426,7 +426,7 @@ def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path)
     requests = chat_requests(40)
     input_file = write_jsonl(tmp_path / "input.jsonl", requests)
     deployment, token = api.airflow, api.airflow.token()
-    unpause(deployment, token, "batch_operator_example", "batch_operator_example_scores")
+    deployment.unpause("batch_operator_example", "batch_operator_example_scores", token=token)
     run = deployment.api("POST", "/api/v2/dags/batch_operator_example/dagRuns", {
         "logical_date": None, "conf": {"input_file": str(input_file), "model": SERVED_NAME}}, token)
     ti_path = f"/api/v2/dags/batch_operator_example/dagRuns/{run['dag_run_id']}/taskInstances/answer"
@@ -477,19 +477,6 @@ def test_the_operator_in_a_user_dag_defers_and_hands_on_the_batch(api, tmp_path)
     assert scored["run_type"] == "asset_triggered", scored
 
 
-def unpause(deployment: AirflowDeployment, token: str, *dag_ids: str) -> None:
-    """Unpause DAGs of the stack's bundles, which the dag-processor parses shortly after start."""
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            for dag_id in dag_ids:
-                deployment.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
-            return
-        except AssertionError:
-            assert time.monotonic() < deadline, f"the DAGs {dag_ids} were never parsed"
-            time.sleep(1)
-
-
 def test_the_operator_re_attaches_after_its_worker_is_lost(api, tmp_path):
     """Issue 39: the worker running AIBrixBatchOperator (polling in the worker:
     tests/integration/user_dags/batch_operator_in_worker.py) is killed mid-batch, task process
@@ -501,7 +488,7 @@ def test_the_operator_re_attaches_after_its_worker_is_lost(api, tmp_path):
     requests = chat_requests(40, max_tokens=32)
     input_file = write_jsonl(tmp_path / "input.jsonl", requests)
     deployment, token = api.airflow, api.airflow.token()
-    unpause(deployment, token, "batch_operator_in_worker")
+    deployment.unpause("batch_operator_in_worker", token=token)
     run = deployment.api("POST", "/api/v2/dags/batch_operator_in_worker/dagRuns", {
         "logical_date": None, "conf": {"input_file": str(input_file), "model": SERVED_NAME}}, token)
     run_path = f"/api/v2/dags/batch_operator_in_worker/dagRuns/{run['dag_run_id']}"

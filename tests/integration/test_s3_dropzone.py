@@ -54,17 +54,6 @@ def _wait(what: str, check, timeout_s: float = 420):
     raise TimeoutError(f"{what} not seen after {timeout_s}s")
 
 
-def _unpause(airflow, dag_id: str, token: str) -> None:
-    def done() -> bool:
-        try:
-            airflow.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
-            return True
-        except AssertionError:  # not parsed yet
-            return False
-
-    _wait(f"{dag_id} parsed", done, 120)
-
-
 def test_drops_become_batches_once(airflow, s3_server):
     s3 = s3_server.client()
 
@@ -80,7 +69,7 @@ def test_drops_become_batches_once(airflow, s3_server):
     s3.put_object(Bucket=TEST_BUCKET, Key=_key(ZONE.inbox) + "team/bad.jsonl", Body=b"not json\n")
     token = airflow.token()
     for dag_id in ("batch_inference", "s3_dropzone"):
-        _unpause(airflow, dag_id, token)
+        airflow.unpause(dag_id, token=token)
 
     # 1. Both drops end up as results under outbox/<name>/, by themselves.
     good_out, bad_out = ZONE.output_uri("good.jsonl"), ZONE.output_uri("team/bad.jsonl")
