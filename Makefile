@@ -140,6 +140,8 @@ test:
 	$(MAKE) -j2 eval-model-idle test-parallel
 	$(MAKE) test-serial-and-inference
 	@$(VENV)/bin/python -m tests.starts
+	@echo "the 30 longest test phases of every pass (python -m tests.durations slowest N):"
+	@$(VENV)/bin/python -m tests.durations slowest 30
 
 # The serial pass uses about one of two cores (2026-12-05: 46 % of the machine idle over its
 # six minutes), so the kvcache pass runs beside it in a cgroup with cpu.idle (tests/idle_cpu.py):

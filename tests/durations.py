@@ -14,7 +14,9 @@ is committed. Only the order depends on it: a stale entry costs balance, never a
 
 Beside the sums, each run writes a timeline (``timeline-<pid>.json``: per file, the worker that ran
 it, its first start and last stop): ``python -m tests.durations timeline`` prints it, which shows
-where a pass waited on one long file while the other worker had nothing left.
+where a pass waited on one long file while the other worker had nothing left. And each test's
+phases (``tests-<pid>.json``): ``python -m tests.durations slowest [N]`` prints the N longest test
+phases of the last run across every pass, where pytest's ``--durations`` shows each pass's few.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class Recorder:
     def __init__(self) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.spans: dict[str, list] = {}  # file -> [worker, first start, last stop]
+        self.phases: list[tuple[str, str, float]] = []  # (nodeid, setup|call|teardown, seconds)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         name = file_of(report.nodeid)
         self.seconds[name] += report.duration
+        self.phases.append((report.nodeid, report.when, round(report.duration, 2)))
         node = getattr(report, "node", None)  # xdist: the worker that ran it
         worker = getattr(getattr(node, "gateway", None), "id", "main")
         span = self.spans.setdefault(name, [worker, report.start, report.stop])
@@ -61,6 +65,7 @@ class Recorder:
         out.write_text(json.dumps({k: round(v, 1) for k, v in sorted(self.seconds.items())}, indent=1))
         spans = sorted(([name, *span] for name, span in self.spans.items()), key=lambda s: s[2])
         (RECORDS / f"timeline-{os.getpid()}.json").write_text(json.dumps(spans))
+        (RECORDS / f"tests-{os.getpid()}.json").write_text(json.dumps(self.phases))
 
 
 def stored() -> dict[str, float]:
@@ -118,6 +123,14 @@ def timeline() -> list[str]:
     return lines
 
 
+def slowest(count: int = 40) -> list[str]:
+    """The last run's ``count`` longest test phases, every pass together: seconds, phase, test."""
+    phases = [phase for path in (RECORDS.glob("tests-*.json") if RECORDS.exists() else ())
+              for phase in json.loads(path.read_text())]
+    phases.sort(key=lambda p: -p[2])
+    return [f"{seconds:8.1f}  {when:8} {nodeid}" for nodeid, when, seconds in phases[:count]]
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["reset"]:
         reset()
@@ -126,5 +139,7 @@ if __name__ == "__main__":
         print(f"{STORED.relative_to(TESTS.parent)}: {len(done)} files, {sum(done.values()):.0f} s in all")
     elif sys.argv[1:] == ["timeline"]:
         print("\n".join(timeline()))
+    elif sys.argv[1:2] == ["slowest"] and len(sys.argv) <= 3:
+        print("\n".join(slowest(*(int(n) for n in sys.argv[2:]))))
     else:
-        raise SystemExit("usage: python -m tests.durations reset|update|timeline")
+        raise SystemExit("usage: python -m tests.durations reset|update|timeline|slowest [N]")

@@ -43,12 +43,24 @@ def test_a_runs_records_fold_into_the_store_and_deleted_files_drop_out(tmp_path,
 def test_the_recorder_sums_every_phase_of_a_files_tests_and_keeps_its_span() -> None:
     recorder = durations.Recorder()
     gw1 = SimpleNamespace(gateway=SimpleNamespace(id="gw1"))
-    for nodeid, start, seconds in (("tests/a.py::t1", 100.0, 1.5), ("tests/a.py::t1", 101.5, 0.25),
-                                   ("tests/b.py::t[x]", 90.0, 2.0)):
-        recorder.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds, node=gw1,
-                                                          start=start, stop=start + seconds))
+    for nodeid, when, start, seconds in (("tests/a.py::t1", "setup", 100.0, 1.5),
+                                         ("tests/a.py::t1", "call", 101.5, 0.25),
+                                         ("tests/b.py::t[x]", "call", 90.0, 2.0)):
+        recorder.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when=when, duration=seconds,
+                                                          node=gw1, start=start, stop=start + seconds))
     assert dict(recorder.seconds) == {"a.py": 1.75, "b.py": 2.0}
     assert recorder.spans == {"a.py": ["gw1", 100.0, 101.75], "b.py": ["gw1", 90.0, 92.0]}
+    assert recorder.phases == [("tests/a.py::t1", "setup", 1.5), ("tests/a.py::t1", "call", 0.25),
+                               ("tests/b.py::t[x]", "call", 2.0)]
+
+
+def test_slowest_lists_the_longest_phases_of_every_pass(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(durations, "RECORDS", tmp_path)
+    (tmp_path / "tests-1.json").write_text(json.dumps([["a.py::t1", "setup", 3.0],
+                                                       ["a.py::t1", "call", 9.5]]))
+    (tmp_path / "tests-2.json").write_text(json.dumps([["k.py::t2", "call", 5.25]]))
+    assert [line.split() for line in durations.slowest(2)] == [["9.5", "call", "a.py::t1"],
+                                                             ["5.2", "call", "k.py::t2"]]
 
 
 def test_the_timeline_lists_files_by_start_from_the_pass_start(tmp_path, monkeypatch) -> None:
