@@ -138,7 +138,7 @@ class KVCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVCacheStepMetadata) and self.worker is not None
-        if meta.handoffs and self.worker.tp_rank == 0:
+        if meta.handoffs and self.worker.engine.tp_rank == 0:
             metrics.record_handoffs(meta.handoffs)
         self.worker.start_load(meta)
 

@@ -81,12 +81,10 @@ class KVCacheWorker:
         l2: L2Store | None = None,
     ) -> None:
         self.settings = settings
-        self.ns = namespace_prefix
-        self.tp_rank = tp_rank
-        self.l2 = l2
-        self.mac = l2_mac(settings) if l2 is not None else None
-        self.writer = L2Writer(l2, settings.l2_write_queue_max, self.mac) if l2 is not None else None
-        self.engine = TransferEngine(settings, namespace_prefix, tp_rank, l2, self.mac)
+        mac = l2_mac(settings) if l2 is not None else None
+        self.writer = L2Writer(l2, settings.l2_write_queue_max, mac) if l2 is not None else None
+        # The engine owns the namespace, the rank, the L2 store and its MAC (one copy of each).
+        self.engine = TransferEngine(settings, namespace_prefix, tp_rank, l2, mac)
         self.cache = L1Cache(settings, self.engine)
         self.l1 = self.cache.index
         self.failures = FailedLoads()
@@ -140,7 +138,7 @@ class KVCacheWorker:
             key = self.chunk_key(item.chunk_hash)
             chunk = self.cache.pin(key)
             l1_chunks.append(chunk)
-            promo = self._alloc_slot(key) if chunk is None and self.l2 is not None else None
+            promo = self._alloc_slot(key) if chunk is None and self.engine.l2 is not None else None
             promo_slots.append(promo)
         return LoadJob(self.engine, items, l1_chunks, promo_slots, self.engine.corrupt(), t0)
 
@@ -370,8 +368,8 @@ class KVCacheWorker:
         self.engine.shutdown()
         if self.writer is not None:
             self.writer.close()
-        if self.l2 is not None:
-            self.l2.close()
+        if self.engine.l2 is not None:
+            self.engine.l2.close()
 
 
 def _count_load_sources(step: LoadJob, failed_reqs: set[str], stats: metrics.KVCacheStats) -> None:
