@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 
 from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
 from aibrix_operators.batch.shard_results import ResultLog
@@ -27,24 +28,19 @@ class CheckpointWriteFailed(CodedFailure):
     error_code, retryable = BatchFailure.STORAGE_ERROR, True
 
 
+@dataclass(eq=False)
 class CheckpointWriter:
-    def __init__(
-        self,
-        result_log: ResultLog,
-        *,
-        retry_timeout_s: float,
-        max_unflushed: int,
-        backoff_base_s: float = 0.2,
-        backoff_max_s: float = 5.0,
-    ) -> None:
-        self.log = result_log
-        self.retry_timeout_s = retry_timeout_s
-        self.max_unflushed = max_unflushed
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.write_retries = 0
-        self._stop = asyncio.Event()
-        self._room = asyncio.Event()
+    log: ResultLog
+    _: KW_ONLY
+    retry_timeout_s: float
+    max_unflushed: int
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    write_retries: int = field(default=0, init=False)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _room: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def __post_init__(self) -> None:
         self._room.set()
 
     async def wait_for_room(self) -> None:
