@@ -21,8 +21,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aibrix_operators.batch.error_codes import BatchFailure, CodedFailure
+
+if TYPE_CHECKING:
+    from aibrix_operators.driver.config import DriverConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +40,10 @@ class EndpointOutage(CodedFailure):
 class EndpointHealth:
     """Shared by a shard's workers; :meth:`run` is the probe loop (one task per shard)."""
 
-    def __init__(
-        self,
-        probe: Callable[[], Awaitable[str | None]],
-        *,
-        failure_threshold: int,
-        outage_budget_s: float,
-        probe_interval_s: float,
-        endpoint: str,
-    ) -> None:
+    def __init__(self, probe: Callable[[], Awaitable[str | None]], config: DriverConfig) -> None:
         self._probe = probe
-        self.failure_threshold = failure_threshold
-        self.outage_budget_s = outage_budget_s
-        self.probe_interval_s = probe_interval_s
-        self.endpoint = endpoint
+        # The breaker's settings are the shard's: breaker_failures, outage_budget_s, probe_interval_s.
+        self.config = config
         # Successful answers so far: the probe loop restarts the outage clock when it grows.
         self.successes = 0
         self.outages = 0
@@ -74,7 +68,7 @@ class EndpointHealth:
     def failed(self, reason: str) -> None:
         """An infrastructure-looking failure (transport, 408/429, 5xx, garbled answer)."""
         self._streak += 1
-        if self._streak >= self.failure_threshold:
+        if self._streak >= self.config.breaker_failures:
             self.open(f"{self._streak} requests in a row failed, the last with {reason}")
 
     def open(self, reason: str) -> None:
@@ -87,7 +81,7 @@ class EndpointHealth:
         self._closed.clear()
         self._opened.set()
         log.warning("endpoint %s looks unavailable (%s): pausing all requests and probing it",
-                    self.endpoint, reason)
+                    self.config.base_url, reason)
 
     async def check(self) -> str | None:
         """Probe now (callers at the same moment share one probe); ``None`` when healthy."""
@@ -116,17 +110,17 @@ class EndpointHealth:
                 if self.successes != answers:
                     since, answers = time.monotonic(), self.successes
                 silent_s = time.monotonic() - since
-                if silent_s >= self.outage_budget_s:
+                if silent_s >= self.config.outage_budget_s:
                     raise EndpointOutage(
-                        f"the inference endpoint {self.endpoint} answered no request for "
-                        f"{silent_s:.0f}s (outage budget {self.outage_budget_s:.0f}s; last failure: "
+                        f"the inference endpoint {self.config.base_url} answered no request for "
+                        f"{silent_s:.0f}s (outage budget {self.config.outage_budget_s:.0f}s; last failure: "
                         f"{self._reason}). Unanswered requests were not recorded: retrying the task "
                         "sends them once the endpoint is back"
                     )
                 problem = await self.check()
                 if problem is None:
                     break
-                await asyncio.sleep(min(self.probe_interval_s, self.outage_budget_s - silent_s))
+                await asyncio.sleep(min(self.config.probe_interval_s, self.config.outage_budget_s - silent_s))
             paused = time.monotonic() - self._opened_at
             self.paused_s += paused
             self._streak = 0
@@ -134,4 +128,4 @@ class EndpointHealth:
             self.is_open = False
             self._closed.set()
             log.warning("endpoint %s answers its health check again after %.1fs: resuming",
-                        self.endpoint, paused)
+                        self.config.base_url, paused)

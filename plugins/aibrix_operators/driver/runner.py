@@ -185,11 +185,7 @@ async def _send_all(
         ) as session,
         aiohttp.ClientSession(headers=headers) as probe_session,  # never queues behind requests
     ):
-        health = EndpointHealth(
-            lambda: probe_endpoint(probe_session, config, health.canary),
-            failure_threshold=config.breaker_failures, outage_budget_s=config.outage_budget_s,
-            probe_interval_s=config.probe_interval_s, endpoint=config.base_url,
-        )
+        health = EndpointHealth(lambda: probe_endpoint(probe_session, config, health.canary), config)
         counters.health = health
         sender = _Sender(session, config, counters, health, cancel)
         # Before any worker starts: a cancel that came before the shard did must stop every request
