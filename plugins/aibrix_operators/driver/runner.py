@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,7 @@ from aibrix_operators.batch.shard_results import ResultLog, fingerprint_shard
 from aibrix_operators.batch.stop_rules import StopTally
 from aibrix_operators.capacity import controller as shared_capacity
 from aibrix_operators.capacity.controller import EndpointController, ShardDemand
+from aibrix_operators.capacity.limiter import AdaptiveLimiter
 from aibrix_operators.driver.answers import (
     Failure,
     classify,
@@ -321,22 +323,27 @@ async def _gated_worker(
         _keep_answer(record, line, counters, result_log)
 
 
+@dataclass(eq=False)
 class _Sender:
-    def __init__(
-        self, session: aiohttp.ClientSession, config: DriverConfig, counters: _Counters,
-        health: EndpointHealth, cancel: CancelWatch,
-    ) -> None:
-        self.cancel = cancel
-        self.session = session
-        self.config = config
-        self.counters = counters
-        self.health = health
+    session: aiohttp.ClientSession
+    config: DriverConfig
+    counters: _Counters
+    health: EndpointHealth
+    cancel: CancelWatch
+    # Derived from the above once, for the per-request path.
+    base_url: str = field(init=False)
+    # Shared mode: the endpoint's limiter (shared by every shard sending there) and priority.
+    capacity: EndpointController | None = field(init=False)
+    limiter: AdaptiveLimiter | None = field(init=False)
+    priority: int = field(init=False)  # never the line's own (priority.py)
+    deadline_key: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        config = self.config
         self.base_url = config.base_url
-        # Shared mode: the endpoint's limiter (shared by every shard sending there) and priority.
-        self.capacity = counters.capacity
-        self.limiter = counters.capacity.limiter if counters.capacity is not None else None
-        self.priority = (config.capacity.batch_priority if config.capacity is not None
-                         else DEDICATED_PRIORITY)  # never the line's own (priority.py)
+        self.capacity = self.counters.capacity
+        self.limiter = self.capacity.limiter if self.capacity is not None else None
+        self.priority = config.capacity.batch_priority if config.capacity is not None else DEDICATED_PRIORITY
         self.deadline_key = config.deadline if config.deadline is not None else float("inf")
 
     async def send(self, record: dict[str, Any]) -> dict[str, Any]:
