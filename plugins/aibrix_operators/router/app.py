@@ -64,7 +64,7 @@ def build_app(
         app[PROXY] = Proxy(pool, session, metrics, request_timeout_s=request_timeout_s,
                              body_timeout_s=body_timeout_s, affinity=affinity,
                              admission=admission, adapters=adapters)  # fmt: skip
-        checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dns,
+        checker = HealthChecker(pool, session, metrics, interval_s=health_interval_s, dns=dict(dns or {}),
                                 adapters=adapters)
         app[CHECKER] = checker
         await checker.refresh()  # serve with a known pool from the first request

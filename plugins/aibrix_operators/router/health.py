@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from dataclasses import KW_ONLY, dataclass, field
 
 import aiohttp
 
@@ -22,29 +23,23 @@ from .metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class HealthChecker:
-    def __init__(
-        self,
-        pool: BackendPool,
-        session: aiohttp.ClientSession,
-        metrics: RouterMetrics,
-        *,
-        interval_s: float = 1.0,
-        timeout_s: float = 2.0,
-        dns: dict[str, str] | None = None,
-        scheme: str = "http",
-        adapters: RouterAdapters | None = None,
-    ) -> None:
-        self.pool = pool
-        self.adapters = adapters
-        self.session = session
-        self.metrics = metrics
-        self.interval_s = interval_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        # role -> "host:port" of a headless Service whose A records are the instances.
-        self.dns = dict(dns or {})
-        self.scheme = scheme
-        self._task: asyncio.Task[None] | None = None
+    pool: BackendPool
+    session: aiohttp.ClientSession
+    metrics: RouterMetrics
+    _: KW_ONLY
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    # role -> "host:port" of a headless Service whose A records are the instances.
+    dns: dict[str, str] = field(default_factory=dict)
+    scheme: str = "http"
+    adapters: RouterAdapters | None = None
+    timeout: aiohttp.ClientTimeout = field(init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=self.timeout_s)
 
     async def check(self, backend: Backend) -> None:
         was = backend.healthy

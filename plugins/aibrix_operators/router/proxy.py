@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -40,29 +41,22 @@ def openai_error(status: int, message: str, code: str, type_: str = "server_erro
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
+@dataclass(eq=False)
 class Proxy:
-    def __init__(
-        self,
-        pool: BackendPool,
-        session: aiohttp.ClientSession,
-        metrics: RouterMetrics,
-        *,
-        request_timeout_s: float = 600.0,
-        body_timeout_s: float = 30.0,
-        decode_attempts: int = 3,
-        affinity: PrefixAffinity | None = None,
-        admission: Admission | None = None,
-        adapters: RouterAdapters | None = None,
-    ) -> None:
-        self.pool = pool
-        self.adapters = adapters
-        self.admission = admission
-        self.affinity = affinity
-        self.session = session
-        self.metrics = metrics
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self.body_timeout_s = body_timeout_s
-        self.decode_attempts = decode_attempts
+    pool: BackendPool
+    session: aiohttp.ClientSession
+    metrics: RouterMetrics
+    _: KW_ONLY
+    request_timeout_s: float = 600.0
+    body_timeout_s: float = 30.0
+    decode_attempts: int = 3
+    affinity: PrefixAffinity | None = None
+    admission: Admission | None = None
+    adapters: RouterAdapters | None = None
+    timeout: aiohttp.ClientTimeout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
 
     def _down(self, backend: Backend, reason: str) -> None:
         # Passive health: skip it from now on; the health loop brings it back.
