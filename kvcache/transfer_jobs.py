@@ -49,6 +49,17 @@ def _chunk_rows(base: torch.Tensor, row0: int, item: ChunkTransfer) -> torch.Ten
     return base.narrow(0, rows[0], len(rows)) if consecutive else base[rows]
 
 
+def _run_copies(
+    engine: TransferEngine, pending: list[tuple[int, int, ChunkCopy]]
+) -> list[tuple[int, int, int]]:
+    """Run a job's queued L1 copies (chunk index, layer, copy) on the copy threads: each
+    one's chunk index and layer with the checksum of its slot."""
+    if not pending:
+        return []
+    values = engine.run_chunk_copies([c for _, _, c in pending])
+    return [(idx, layer, value) for (idx, layer, _), value in zip(pending, values, strict=True)]
+
+
 class LoadJob:
     """The loads of one engine step: per-layer progress and per-chunk outcome.
 
@@ -113,10 +124,7 @@ class LoadJob:
     def run_host_copies(self) -> None:
         """Run the queued L1 copies and fail every chunk whose bytes do not match."""
         pending, self.host_copies = self.host_copies, []
-        if not pending:
-            return
-        values = self.engine.run_chunk_copies([c for _, _, c in pending])
-        for (idx, layer, _), value in zip(pending, values, strict=True):
+        for idx, layer, value in _run_copies(self.engine, pending):
             expected = self.l1_chunks[idx].sums[layer]  # type: ignore[union-attr]
             if expected is not None and value != expected:
                 self.fail(idx, "integrity")
@@ -410,10 +418,7 @@ class StoreJob:
 
     def run_host_copies(self) -> None:
         pending, self.host_copies = self.host_copies, []
-        if not pending:
-            return
-        values = self.engine.run_chunk_copies([c for _, _, c in pending])
-        for (idx, layer, _), value in zip(pending, values, strict=True):
+        for idx, layer, value in _run_copies(self.engine, pending):
             self.sums[idx][layer] = value
 
     def target(self, idx: int, layer: int) -> torch.Tensor:
