@@ -231,16 +231,7 @@ class FakeKubelet:
             self.store.remove(PODS, ns, name)
             return
         if not self.schedulable:
-            if "FailedScheduling" not in run.events_sent:
-                run.events_sent.add("FailedScheduling")
-                self._event(
-                    ns,
-                    name,
-                    "FailedScheduling",
-                    self.unschedulable_message,
-                    "Warning",
-                    component="default-scheduler",
-                )
+            if self._scheduler_event_once(run, "FailedScheduling", self.unschedulable_message, "Warning"):
                 self._set_status(
                     ns,
                     name,
@@ -260,16 +251,8 @@ class FakeKubelet:
             return
         container = pod["spec"]["containers"][0]
         cname, image_name = container["name"], container.get("image", "")
-        if "Scheduled" not in run.events_sent:
-            run.events_sent.add("Scheduled")
-            self._event(
-                ns,
-                name,
-                "Scheduled",
-                f"Successfully assigned {ns}/{name} to {self.node_name}",
-                "Normal",
-                component="default-scheduler",
-            )
+        self._scheduler_event_once(run, "Scheduled", f"Successfully assigned {ns}/{name} to {self.node_name}",
+                                   "Normal")
         image = self.images.get(image_name)
         if image is None:
             self._wait(
@@ -501,6 +484,14 @@ class FakeKubelet:
             self.store.update(PODS, ns, name, lambda o: {**o, "status": {**o.get("status", {}), **status}})
         except ApiError:
             pass  # deleted meanwhile
+
+    def _scheduler_event_once(self, run: PodRun, reason: str, message: str, kind: str) -> bool:
+        """The scheduler's ``reason`` event for the pod, the first time only; True when sent now."""
+        if reason in run.events_sent:
+            return False
+        run.events_sent.add(reason)
+        self._event(run.namespace, run.name, reason, message, kind, component="default-scheduler")
+        return True
 
     def _event(
         self, ns: str, pod: str, reason: str, message: str, kind: str, component: str = "kubelet"
