@@ -1,24 +1,25 @@
-"""Run a command in an idle CPU class: it gets only the CPU that nothing else wants.
+"""Run a command in an idle CPU class: it gets the CPU that nothing else wants, mostly.
 
-``make test`` runs its last two passes side by side: the serial pass (tests whose outcome depends
-on the server's load, docs/testing.md) uses about one of this machine's two cores, and the kvcache
-pass runs beside it in a cgroup with ``cpu.idle = 1`` (the kernel's SCHED_IDLE for a whole group),
-so the kvcache pass takes the serial pass's idle core without competing for its CPU. ``nice``
-would not do: the suite's servers start their own sessions, and each session is its own
-autogroup that competes at nice 0 whatever its parent's nice was. A cgroup holds every process
-below the command, sessions included.
+The nightly-eval model's training runs this way beside ``make test``'s parallel pass: it takes the
+pass's idle moments rather than competing with its tests. ``nice`` would not do: the suite's
+servers start their own sessions, and each session is its own autogroup that competes at nice 0
+whatever its parent's nice was. A cgroup with ``cpu.idle = 1`` (the kernel's SCHED_IDLE for a
+whole group) holds every process below the command, sessions included.
+
+Not isolation: on this VM's kernel (6.18, EEVDF, cgroup v1) busy processes in an idle group stall
+normal ones for seconds at a time (docs/testing.md), so nothing timing-sensitive runs beside it
+(the serial pass runs alone).
 
     python -m tests.idle_cpu --check        # exit 0 if an idle group can be made here, else 1
     python -m tests.idle_cpu CMD [ARG ...]   # run CMD in a new idle group; its exit status
     python -m tests.idle_cpu --or-plain CMD [ARG ...]   # the same, or as usual where none can be made
 
-The nightly-eval model's training, beside the parallel pass, runs the ``--or-plain`` way: it
-takes the pass's idle moments instead of competing with its tests, and a test that needs the
-model waits on the training's lock, which leaves that test's core to the training.
+The training runs the ``--or-plain`` way; a test that needs the model waits on the training's
+lock, which leaves that test's core to the training.
 
 Needs write access to the cgroup tree (root on CI and these VMs) and a kernel with ``cpu.idle``
 (5.15+), cgroup v1 (``/sys/fs/cgroup/cpu``) or v2. Where that is missing, ``--check`` says why
-and the Makefile runs the two passes one after the other instead.
+and ``--or-plain`` runs the command as usual.
 """
 
 from __future__ import annotations

@@ -122,8 +122,12 @@ async def test_a_lone_online_request_gets_a_batch_slot_before_its_first_token(ga
         idle_ttft, _ = await _first_token(session, url)
         batch = [asyncio.create_task(_post(session, url, completion(f"batch {i}", LONG_TOKENS, priority=10)))
                  for i in range(MAX_NUM_SEQS)]
+        answered_at: dict[int, float] = {}
+        for i, task in enumerate(batch):
+            task.add_done_callback(lambda _, i=i: answered_at.setdefault(i, time.monotonic()))
         full = await _until(session, url, lambda m: m.get("vllm:num_requests_running") == MAX_NUM_SEQS, 60)
         assert full.get("vllm:num_requests_running") == MAX_NUM_SEQS, full
+        sent_at = time.monotonic()
         ttft, at_first_token = await _first_token(session, url)
         # The withdrawn batch request is answered at once; the other keeps its slot (its client
         # leaves then, and vLLM aborts it: no need to wait out its generation).
@@ -131,13 +135,18 @@ async def test_a_lone_online_request_gets_a_batch_slot_before_its_first_token(ga
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-    print(f"online TTFT: idle server {idle_ttft * 1000:.0f} ms, batch in every slot {ttft * 1000:.0f} ms")
+    withdrawn_ms = {i: round((t - sent_at) * 1000) for i, t in answered_at.items()}
+    print(f"online TTFT: idle server {idle_ttft * 1000:.0f} ms, batch in every slot {ttft * 1000:.0f} ms; "
+          f"batch requests answered (ms after the online one was sent): {withdrawn_ms}")
     # One batch request was withdrawn, and counted, by the time the online one had its first token.
     assert at_first_token.get(preempted, 0.0) - full.get(preempted, 0.0) == 1, at_first_token
-    # It waited engine steps, not a batch generation: left to run, the batch requests would have made
-    # 2 x LONG_TOKENS tokens before a slot freed. (The bound covers the steps the remaining batch
-    # request ran meanwhile and while the counters were read.)
-    assert at_first_token[tokens] - full[tokens] < 300, (full, at_first_token)
+    # It waited engine steps, not a batch generation: had vLLM gone on generating the withdrawn
+    # request (the middleware answering 429 without vLLM aborting it), the online one would have
+    # waited for a generation to end, ~2 x LONG_TOKENS tokens with both running. Half a generation
+    # is the bound: it covers the steps the remaining batch request runs meanwhile and while the
+    # counters are read, and a stall of the server's process on a loaded machine (422 tokens, a
+    # 2.2 s TTFT, once in a clean-clone run beside the kvcache pass: docs/testing.md's flake log).
+    assert at_first_token[tokens] - full[tokens] < LONG_TOKENS // 2, (full, at_first_token, withdrawn_ms)
     # The withdrawn request was answered once, 429 batch_shed (the driver sends it again: the burst
     # test below checks every batch request ends answered exactly once); the other was still running.
     assert [(t.result()[0], t.result()[1]) for t in done] == [(429, "preempted")] and len(running) == 1

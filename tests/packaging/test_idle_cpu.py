@@ -1,9 +1,9 @@
-"""tests/idle_cpu.py: the kvcache pass beside the serial pass gets only the CPU nothing else wants.
+"""tests/idle_cpu.py: the eval model's training beside the parallel pass runs in an idle CPU class.
 
 Where an idle group can be made (root with a cgroup cpu controller: CI and these VMs), a command
 run through it lands in a group with ``cpu.idle = 1``, and so does every process it starts in a
 session of its own (why a cgroup and not ``nice``); the group is gone after. Where none can be
-made, ``--check`` says why and exits 1, which sends the Makefile down the one-after-the-other path.
+made, ``--check`` says why and exits 1, and ``--or-plain`` runs the command as usual.
 """
 
 from __future__ import annotations

@@ -141,11 +141,17 @@ def _replaying(messages: list[Message], receive: Receive, gone: asyncio.Event | 
             return {"type": "http.disconnect"}
         client = asyncio.ensure_future(receive())
         taken = asyncio.ensure_future(gone.wait())
-        await asyncio.wait((client, taken), return_when=asyncio.FIRST_COMPLETED)
-        taken.cancel()
-        if client.done():
+        try:
+            await asyncio.wait((client, taken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when the app cancels this receive (vLLM stops listening for a disconnect once
+            # its handler has answered): left pending, both tasks leaked until the garbage
+            # collector destroyed them ("Task was destroyed but it is pending!" in the log).
+            taken.cancel()
+            if not client.done():
+                client.cancel()
+        if client.done() and not client.cancelled():
             return client.result()
-        client.cancel()
         return {"type": "http.disconnect"}
 
     return replay
