@@ -46,7 +46,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 CONFIG: dict[str, Any] = {
     "rank": 8,
     "alpha": 16,
-    "steps": 600,
+    # The loss is under 0.002 from step 200 on (2026-12-06: 0.0010 at 200, 0.0009 at 599).
+    "steps": 300,
     "batch_size": 48,
     "lr": 3e-3,
     "seed": 0,

@@ -42,7 +42,11 @@ CONFIG: dict[str, Any] = {
     "model": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256),
     "vocab_size": 320,
-    "steps": 1200,
+    # 600 steps (2026-12-07): held-out arithmetic 1.0 and multiple choice 0.86 (0.96 at 1200),
+    # the degraded checkpoint's arithmetic 0.19; what the eval tests need (>= 0.9, a lower bound
+    # over chance, a regression of more than 0.2) at half the ~360 CPU-s of 1200 steps. It trains
+    # beside the suite's parallel pass, whose tests wait on it.
+    "steps": 600,
     "batch_size": 64,
     "lr": 3e-3,
     "warmup": 50,
