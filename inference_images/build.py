@@ -15,11 +15,18 @@ Dockerfiles are the ones users build; only the base differs (inference_images/RE
 Builds run with the host's CA bundle and local wheel directory mounted (never copied into a
 layer), ``--network host`` (pip reaches the registries the host reaches), runc, and ulimits
 this VM allows. podman's layer cache makes an unchanged rebuild take seconds.
+
+One build at a time on a checkout (a lock file under ``.work``), whoever asks: ``make test`` builds
+the images beside its parallel pass, and a test that needs one meanwhile
+(``tests/images/containers.py``) waits for it, then finds it in the cache. Two builds of one tag
+would race for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -27,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,19 +69,33 @@ class ImageSpec:
         return f"localhost/aibrix-batch/{self.name}:{VERSION}"
 
 
+# Built in this order when no names are given: the order `make test`'s parallel pass needs them
+# (the Kubernetes tests run the driver's early; the image tests of the big two come later).
 IMAGES = {
     spec.name: spec
     for spec in (
         ImageSpec("batch-driver", "batch_driver", "python"),
         ImageSpec("router", "router", "python"),
-        ImageSpec("vllm-cpu", "vllm_cpu", "python"),
         ImageSpec("airflow", "airflow", "airflow"),
+        ImageSpec("vllm-cpu", "vllm_cpu", "python"),
     )
 }
 
 
 class BuildError(RuntimeError):
     pass
+
+
+LOCK = REPO / ".work" / "image-build.lock"
+
+
+@contextlib.contextmanager
+def build_lock() -> Iterator[None]:
+    """Held for one image's build (or the stand-ins'), so another build waits rather than races."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def podman(*args: str, check: bool = True, capture: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -176,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if not args.upstream:
-            ensure_standins(log)
+            with build_lock():
+                ensure_standins(log)
         for name in names:
-            result = build_image(IMAGES[name], upstream=args.upstream, log=log)
+            with build_lock():
+                result = build_image(IMAGES[name], upstream=args.upstream, log=log)
             print(json.dumps(result) if args.json else f"{result['tag']}  {result['size_mb']} MB", flush=True)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,7 +6,6 @@ runs what this checkout's Dockerfiles build: after ``make images`` the build is 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
 import sys
@@ -27,13 +26,11 @@ def build(name: str) -> dict:
     """Build one image (cached); its tag, size and build time. A failed build fails the test
     with the build's own last lines.
 
-    One build at a time across pytest-xdist workers: two builds of one tag would race for it."""
-    lock_path = REPO / ".work" / "image-build.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run([sys.executable, str(BUILD), name, "--json"], capture_output=True,
-                              text=True, timeout=3600, cwd=REPO)  # fmt: skip
+    build.py builds one image at a time on this checkout (its lock): a test that asks while
+    ``make test`` builds the image beside the parallel pass waits for that build, then hits the
+    cache; two pytest-xdist workers asking at once wait for each other the same way."""
+    proc = subprocess.run([sys.executable, str(BUILD), name, "--json"], capture_output=True,
+                          text=True, timeout=3600, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, f"building {name} failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
