@@ -38,7 +38,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_chat(tiny_model: Path) -> Iterator[VLLMServer]:
-    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME,
+    spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, compact_engine=True,
                           extra_args=["--enable-prompt-tokens-details"])
     with VLLMServer(spec) as server:
         yield server

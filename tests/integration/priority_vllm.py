@@ -28,7 +28,8 @@ MAX_NUM_SEQS = 2
 def priority_spec(model: Path, online_first: bool = False) -> VLLMServerSpec:
     """``--scheduling-policy priority`` and MAX_NUM_SEQS slots; ``online_first`` adds the middleware."""
     return VLLMServerSpec(model=str(model), served_model_name=SERVED_NAME, scheduling_policy="priority",
-                          online_first=online_first, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
+                          online_first=online_first, compact_engine=True,
+                          extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
 
 
 def completion(prompt: str, max_tokens: int, priority: int | None = None) -> dict:

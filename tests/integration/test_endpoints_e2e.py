@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from aibrix_operators.localenv import WORK_DIR
-from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.serving.local_vllm import (
+    COMPACT_ENGINE_ARGS,
+    COMPACT_ENGINE_ENV,
+    VLLMServer,
+    VLLMServerSpec,
+)
 from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
 from tests.integration.test_output_shape import key_structure
 
@@ -59,12 +64,14 @@ def post(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_batch(input_path: Path, output_path: Path, model: str, served: str, *args: str) -> list[dict]:
+    # The same compact engine as the servers it is compared with (local_vllm.COMPACT_ENGINE_ENV).
     env = {**os.environ, "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"), "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(input_path.parent)}
+           "TMPDIR": str(input_path.parent), **COMPACT_ENGINE_ENV}
     proc = subprocess.run(
         [str(INFERENCE_PYTHON), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
          "-o", str(output_path), "--model", model, "--served-model-name", served,
-         "--dtype", "float32", "--kv-cache-memory-bytes", str(512 << 20), "--enforce-eager", *args],
+         "--dtype", "float32", "--kv-cache-memory-bytes", str(512 << 20), "--enforce-eager",
+         *COMPACT_ENGINE_ARGS, *args],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -182,7 +189,7 @@ def rerank_requests() -> list[dict]:
 @pytest.fixture(scope="module")
 def minilm_server() -> Iterator[VLLMServer]:
     spec = VLLMServerSpec(model=minilm_path(), served_model_name=MINILM, runner="pooling",
-                          max_model_len=256)
+                          max_model_len=256, compact_engine=True)
     with VLLMServer(spec) as server:
         yield server
 

@@ -89,7 +89,8 @@ def lora_setup(tiny_model: Path, s3_server: S3Server, tmp_path_factory: pytest.T
 def runtime_server(tiny_model: Path) -> Iterator[VLLMServer]:
     """What the deployment runs: no adapter preloaded, runtime loading allowed."""
     spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
-                          extra_args=LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+                          compact_engine=True, extra_args=LORA_ARGS,
+                          env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     with VLLMServer(spec) as server:
         yield server
 
@@ -216,7 +217,8 @@ def router_over_two(
     """The P/D router with two decode instances: the module's server and a second, fresh one; it
     loads the deployment's adapters for whoever holds the admin token."""
     spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=1024,
-                          extra_args=LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+                          compact_engine=True, extra_args=LORA_ARGS,
+                          env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     with VLLMServer(spec) as second:
         port = free_port()
         log = open(REPO_ROOT / ".work" / f"router-{port}.log", "wb")

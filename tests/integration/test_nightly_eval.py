@@ -40,7 +40,8 @@ def eval_model() -> Path:
 
 
 def serve(model: Path) -> VLLMServer:
-    return VLLMServer(VLLMServerSpec(model=str(model), served_model_name=SERVED, max_model_len=256))
+    return VLLMServer(VLLMServerSpec(model=str(model), served_model_name=SERVED, max_model_len=256,
+                                     compact_engine=True))
 
 
 def eval_dag(env: dict[str, str], suite: str, conf: dict, log_dir: Path) -> subprocess.CompletedProcess:

@@ -77,7 +77,7 @@ def test_adapter_gain_side_by_side_then_a_regression_of_the_adapter_alone(
         return proc, json.loads(get(f"eval/{SUITE}/{date}/summary.json"))
 
     spec = VLLMServerSpec(model=str(EVAL_MODEL), served_model_name=SERVED, max_model_len=256,
-                          extra_args=["--enable-lora", "--max-lora-rank", "8"],
+                          compact_engine=True, extra_args=["--enable-lora", "--max-lora-rank", "8"],
                           env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     with VLLMServer(spec) as server:
         proc, first = night(server, "2026-11-01", trained)

@@ -32,7 +32,7 @@ KV_TOKENS = 3072  # 4 KiB of KV per token: 4 layers x 2 KV heads x 64 x 2 (K, V)
 @pytest.fixture(scope="module")
 def small_cache_server(tiny_model: Path) -> Iterator[VLLMServer]:
     spec = VLLMServerSpec(model=str(tiny_model), served_model_name=SERVED_NAME, max_model_len=2048,
-                          kv_cache_bytes=KV_TOKENS * 4096,
+                          kv_cache_bytes=KV_TOKENS * 4096, compact_engine=True,
                           extra_args=["--enable-prompt-tokens-details", "--enable-prefix-caching"])
     with VLLMServer(spec) as server:
         yield server

@@ -1,9 +1,9 @@
 """Shared capacity mode against real vLLM CPU servers (issue 21).
 
 ``vllm_priority`` runs with ``--scheduling-policy priority`` and only 2 sequences at a time, so
-a handful of requests saturates it; ``vllm_chat`` (the suite's FCFS server) shows the refusal.
-Both report their policy through serving/scheduling_policy.py's middleware, as the serving
-images start them.
+a handful of requests saturates it. It reports its policy through serving/scheduling_policy.py's
+middleware, as the serving images start it; the refusal against a first-come-first-served server
+is test_shared_mode_refused_vllm.py (it does not need to run alone).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import pytest
 
 from aibrix_operators.capacity import controller as shared_capacity
 from aibrix_operators.capacity import policy
-from aibrix_operators.capacity.mode import SharedCapacity
-from aibrix_operators.driver.config import DriverConfig
-from aibrix_operators.driver.preflight import SharedModeRefused, check_endpoint
 from aibrix_operators.serving.local_vllm import VLLMServer
 from tests.integration import priority_vllm
 from tests.integration.conftest import SERVED_NAME
@@ -131,14 +128,6 @@ async def test_a_burst_holds_batch_back_and_every_batch_request_ends_answered_on
     reasons = {reason for _, _, reason in history}
     assert held_at is not None, f"no online_waiting tick in a {BURST_AT_MOST_S:.0f} s burst: {reasons}"
     assert 0 in {limit for _, limit, _ in history}
-
-
-async def test_shared_mode_is_refused_against_a_server_that_schedules_first_come_first_served(
-    vllm_chat: VLLMServer,
-) -> None:
-    config = DriverConfig(endpoint=vllm_chat.base_url, api_key_env=None, capacity=SharedCapacity())
-    with pytest.raises(SharedModeRefused, match="policy 'fcfs'.*--scheduling-policy priority"):
-        await check_endpoint(config, SERVED_NAME)
 
 
 def _wait_for_dag(deployment, token: str, paused: bool) -> None:
