@@ -26,9 +26,9 @@ def build(name: str) -> dict:
     """Build one image (cached); its tag, size and build time. A failed build fails the test
     with the build's own last lines.
 
-    build.py builds one image at a time on this checkout (its lock): a test that asks while
-    ``make test`` builds the image beside the parallel pass waits for that build, then hits the
-    cache; two pytest-xdist workers asking at once wait for each other the same way."""
+    build.py builds one image at a time on this checkout (its lock): a test that asks while a
+    ``make images`` builds the image waits for that build, then hits the cache; two pytest-xdist
+    workers asking at once wait for each other the same way."""
     proc = subprocess.run([sys.executable, str(BUILD), name, "--json"], capture_output=True,
                           text=True, timeout=3600, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, f"building {name} failed:\n{proc.stderr[-4000:]}"
