@@ -17,7 +17,7 @@ from typing import Any
 
 # free_port is the package's one port picker (below the ephemeral range: no outgoing connection can
 # take the port before the server binds it); the connector tests import it from here.
-from aibrix_operators.serving.local_vllm import free_port
+from aibrix_operators.serving.local_vllm import COMPACT_ENGINE_ARGS, COMPACT_ENGINE_ENV, free_port
 from aibrix_operators.serving.process import VLLM_STARTUP_TIMEOUT_S, ServerProcess, tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,11 @@ class LocalServer:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         dev_mode: bool = False,
+        compact_engine: bool = False,
     ) -> None:
+        """``compact_engine``: the model in vLLM's engine-core process on one OpenMP thread
+        (aibrix_operators.serving.local_vllm.COMPACT_ENGINE_ENV/ARGS), for the tests' many small
+        servers; off, vLLM's default (a worker process of its own), as deployments run it."""
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -69,6 +73,8 @@ class LocalServer:
         ]  # fmt: skip
         if kv_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        if compact_engine:
+            self.cmd += COMPACT_ENGINE_ARGS
         self.cmd += list(extra_args or [])
         self.env = dict(os.environ)
         if threads_bind is not None:
@@ -81,6 +87,8 @@ class LocalServer:
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p),
         )
+        if compact_engine:
+            self.env.update(COMPACT_ENGINE_ENV)
         if dev_mode:
             # vLLM's dev endpoints, among them POST /reset_prefix_cache (tests, benches).
             self.env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -38,7 +38,8 @@ def _extra(redis: RedisServer, metrics_port: int, lookahead: int) -> dict[str, A
 
 
 def _server(model: str, extra: dict[str, Any]) -> LocalServer:
-    return LocalServer(model, kv_config=kv_transfer_config(extra), extra_args=["--max-num-seqs", "1"])
+    return LocalServer(model, kv_config=kv_transfer_config(extra), extra_args=["--max-num-seqs", "1"],
+                       compact_engine=True)
 
 
 def _all_at_once(server: LocalServer, prompts: list[list[int]]) -> list[dict[str, Any]]:

@@ -4,6 +4,11 @@ adapters (written by inference_images/vllm/make_lora.py) and one real Redis.
 As in the cache_salt test (test_kvcache_shared_l2.py), the server keeps no L1, so every hit
 is a Redis read, and vLLM's own prefix cache is emptied before each request, so any
 ``cached_tokens`` the server reports were loaded by the connector.
+
+This server keeps vLLM's default engine layout (the model in a worker process of its own), as
+deployments run it: the connector's metadata, LoRA ids included, crosses from the engine core to the
+worker. The other connector servers of this suite run the compact engine (LocalServer's
+``compact_engine``: the model in the engine core, one OpenMP thread), which halves their CPU.
 """
 
 from __future__ import annotations

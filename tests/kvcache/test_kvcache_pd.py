@@ -78,13 +78,14 @@ def pd_pair(tiny_model):
 
     def make(shared: dict[str, Any]) -> tuple[LocalServer, LocalServer]:
         producer = LocalServer(
-            tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer")
+            tiny_model, kv_config=kv_transfer_config(shared, role="kv_producer"), compact_engine=True
         )
         consumer = LocalServer(
             tiny_model,
             kv_config=kv_transfer_config(
                 {**shared, "metrics_port": consumer_metrics, "handoff_wait_s": WAIT_S}, role="kv_consumer"
             ),
+            compact_engine=True,
         )
         for server in (producer, consumer):
             # The router reads vLLM's load gauges from /metrics; LocalServer turns stats off.

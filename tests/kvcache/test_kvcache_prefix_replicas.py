@@ -29,8 +29,9 @@ def replicas(tiny_model: str) -> Iterator[tuple[LocalServer, LocalServer, RedisS
     b_metrics = free_port()
 
     def make(shared: dict[str, Any]) -> tuple[LocalServer, LocalServer]:
-        return (LocalServer(tiny_model, kv_config=kv_transfer_config(shared)),
-                LocalServer(tiny_model, kv_config=kv_transfer_config({**shared, "metrics_port": b_metrics})))
+        return (LocalServer(tiny_model, kv_config=kv_transfer_config(shared), compact_engine=True),
+                LocalServer(tiny_model, kv_config=kv_transfer_config({**shared, "metrics_port": b_metrics}),
+                            compact_engine=True))
 
     with servers_on_one_redis(make) as (redis_srv, (a, b)):
         yield a, b, redis_srv, b_metrics

@@ -77,7 +77,8 @@ def shared(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "metrics_port": port,
     }
     server = LocalServer(
-        tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=True, dev_mode=True
+        tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=True, dev_mode=True,
+        compact_engine=True,
     )
     server.env.pop("KVCACHE_REDIS_PASSWORD", None)
     server.env["KVCACHE_L2_MAC_KEY"] = MAC_KEY

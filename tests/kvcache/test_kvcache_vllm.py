@@ -78,7 +78,7 @@ def redis_l2() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def base(tiny_model: str) -> Iterator[LocalServer]:
     """vLLM without the connector, its own prefix cache on (the reference for hits)."""
-    server = LocalServer(tiny_model, prefix_caching=True, dev_mode=True)
+    server = LocalServer(tiny_model, prefix_caching=True, dev_mode=True, compact_engine=True)
     with server:
         yield server
 
@@ -111,7 +111,7 @@ def conn(request: pytest.FixtureRequest, tiny_model: str, redis_l2: RedisServer,
     redis_l2.client().flushall()  # each server starts from an empty L2
     server = LocalServer(
         tiny_model, kv_config=kv_transfer_config(extra), prefix_caching=request.param,
-        dev_mode=True,
+        dev_mode=True, compact_engine=True,
     )  # fmt: skip
     with server:
         yield Conn(server, metrics_port, fault)
