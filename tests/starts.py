@@ -6,7 +6,8 @@ process (an xdist worker, or the only one) to ``.work/test-starts/<worker>.json`
 ``python -m tests.starts`` sums the files and prints the table ``make test`` ends with
 (docs/testing.md keeps the counts before and after the suite's sharing work). Processes started
 by those processes (a bench script's own server) are not seen; they are counted where the bench
-says so.
+says so. ``dags test`` runs forked by tests/integration/dags_test_server.py start no process here:
+conftest.DagsTestServers counts each.
 """
 
 from __future__ import annotations

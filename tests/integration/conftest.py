@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -20,7 +21,9 @@ from aibrix_operators.local_airflow import airflow_cli
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
 from tests.fake_openai import FakeOpenAI
+from tests.integration.dags_test_server import base_key
 from tests.integration.services import S3Server, start_seaweedfs, stop_group
+from tests.starts import COUNTER as STARTS
 
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 TINY_MODEL = WORK_DIR / "models" / "tiny-llama"
@@ -103,16 +106,74 @@ def allow_list_env(tmp_root: Path) -> dict[str, str]:
     }
 
 
+class DagsTestServers:
+    """One tests/integration/dags_test_server.py per base environment (its ``base_key``), started at
+    a worker's first `dags test` run with that base and stopped when the worker exits."""
+
+    def __init__(self) -> None:
+        self.servers: dict[tuple, subprocess.Popen] = {}
+        atexit.register(self.stop)
+
+    def server(self, env: dict[str, str]) -> subprocess.Popen:
+        key = base_key(env)
+        proc = self.servers.get(key)
+        if proc is not None and proc.poll() is None:
+            return proc
+        log = WORK_DIR / "logs" / f"dags-test-server-{os.getpid()}-{len(self.servers)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        # Per-run settings stay out of the server's own environment: each child takes its request's.
+        own = {k: v for k, v in env.items() if not k.startswith(("AIRFLOW_CONN_", "AIRFLOW_VAR_", "AWS_"))}
+        with log.open("ab") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.integration.dags_test_server"], env=own,
+                                    cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True)  # fmt: skip
+        ready = proc.stdout.readline()
+        assert ready.strip() == '{"ready": true}', f"the dags-test server did not start; its log: {log}"
+        self.servers[key] = proc
+        return proc
+
+    def run(
+        self, argv: list[str], env: dict[str, str], out_dir: Path, timeout_s: float
+    ) -> subprocess.CompletedProcess:
+        proc = self.server(env)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stdout, stderr = out_dir / "dags-test.stdout", out_dir / "dags-test.stderr"
+        proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO_ROOT), "stdout": str(stdout),
+                                     "stderr": str(stderr), "timeout_s": timeout_s}) + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+        assert answer, f"the dags-test server exited (rc {proc.wait()})"
+        result = json.loads(answer)
+        STARTS.counts["dags_test_runs"] += 1  # a forked run: no process start for the hook to see
+        out = stdout.read_text(errors="replace")
+        err = stderr.read_text(errors="replace")
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(["airflow", *argv], timeout_s, output=out, stderr=err)
+        return subprocess.CompletedProcess(["airflow", *argv], result["rc"], out, err)
+
+    def stop(self) -> None:
+        for proc in self.servers.values():
+            if proc.poll() is None:
+                proc.stdin.close()  # the server ends at the end of its input
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.servers.clear()
+
+
+DAGS_TEST = DagsTestServers()
+
+
 def dags_test(env: dict[str, str], conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
-    """Run batch_inference in-process via `airflow dags test`; keep its log for failures."""
-    proc = subprocess.run(
-        # -f: parse only the DAG's own file, as a task's process does (the whole folder costs
-        # 11.5 s of CPU per run against 5.0 s, 2026-12-05): 38 runs a suite.
-        [str(Path(sys.executable).with_name("airflow")), "dags", "test", "batch_inference",
-         "-f", str(REPO_ROOT / "dags" / "batch_inference.py"), "-c", json.dumps(conf)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-    )
-    log_dir.mkdir(parents=True, exist_ok=True)
+    """Run batch_inference in-process as `airflow dags test` does, in a process forked for the run
+    (dags_test_server.py: Airflow's imports and execution-API routes built once a worker, not once a
+    run); keep its log for failures."""
+    # -f: parse only the DAG's own file, as a task's process does (the whole folder costs
+    # 11.5 s of CPU per run against 5.0 s, 2026-12-05).
+    argv = ["dags", "test", "batch_inference", "-f", str(REPO_ROOT / "dags" / "batch_inference.py"),
+            "-c", json.dumps(conf)]  # fmt: skip
+    proc = DAGS_TEST.run(argv, env, log_dir, timeout_s=900)
     (log_dir / "dags-test.log").write_text(proc.stdout + proc.stderr)
     return proc
 
