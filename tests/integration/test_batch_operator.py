@@ -8,13 +8,12 @@ import json
 import shutil
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.fake_openai import FakeOpenAI
-from tests.integration.conftest import SERVED_NAME, chat_requests, write_jsonl
+from tests.integration.conftest import DAGS_TEST, SERVED_NAME, chat_requests, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +40,9 @@ def fake(fake: FakeOpenAI) -> FakeOpenAI:
 
 def run_example(env: dict[str, str], fake: FakeOpenAI, conf: dict, log: Path) -> subprocess.CompletedProcess:
     connection = {"conn_type": "aibrix_batch", "host": fake.url + "/v1", "password": KEY}
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("airflow")), "dags", "test", "batch_operator_example",
-         "-f", str(DAG_FILE), "-c", json.dumps(conf)],
-        env={**env, "AIRFLOW_CONN_AIBRIX_BATCH_DEFAULT": json.dumps(connection)},
-        capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    argv = ["dags", "test", "batch_operator_example", "-f", str(DAG_FILE), "-c", json.dumps(conf)]
+    proc = DAGS_TEST.run(argv, {**env, "AIRFLOW_CONN_AIBRIX_BATCH_DEFAULT": json.dumps(connection)},
+                         log.parent / log.stem, timeout_s=600)
     log.write_text(proc.stdout + proc.stderr)
     return proc
 

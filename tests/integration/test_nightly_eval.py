@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
-from tests.integration.conftest import INFERENCE_PYTHON, TEST_BUCKET
+from tests.integration.conftest import DAGS_TEST, INFERENCE_PYTHON, TEST_BUCKET
 from tests.metrics.conftest import start_pushgateway
 
 pytestmark = pytest.mark.e2e
@@ -45,12 +44,10 @@ def serve(model: Path) -> VLLMServer:
 
 
 def eval_dag(env: dict[str, str], suite: str, conf: dict, log_dir: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("airflow")), "dags", "test", f"nightly_eval__{suite}",
-         "-f", str(REPO_ROOT / "dags" / "nightly_eval.py"),
-         "-c", json.dumps(conf)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-    )
+    # Forked from the worker's dags-test server (conftest.DAGS_TEST), as `airflow dags test` runs it.
+    argv = ["dags", "test", f"nightly_eval__{suite}", "-f", str(REPO_ROOT / "dags" / "nightly_eval.py"),
+            "-c", json.dumps(conf)]  # fmt: skip
+    proc = DAGS_TEST.run(argv, env, log_dir / f"{suite}-{conf['night']}", timeout_s=600)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / f"{suite}-{conf['night']}.log").write_text(proc.stdout + proc.stderr)
     return proc

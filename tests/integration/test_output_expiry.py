@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from aibrix_operators.batch.output_expiry import ExpiryRecord, write_record
 from aibrix_operators.localenv import REPO_ROOT
 from aibrix_operators.storage import LocalStorage
-from tests.integration.conftest import SERVED_NAME, TEST_BUCKET, chat_requests, dags_test
+from tests.integration.conftest import DAGS_TEST, SERVED_NAME, TEST_BUCKET, chat_requests, dags_test
 
 pytestmark = pytest.mark.e2e
 
@@ -25,11 +24,8 @@ HOUR = 3600
 
 
 def cleanup_dag(env: dict[str, str], log_dir: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("airflow")), "dags", "test", "aibrix_output_cleanup",
-         "-f", str(REPO_ROOT / "dags" / "output_cleanup.py")],
-        env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-    )
+    argv = ["dags", "test", "aibrix_output_cleanup", "-f", str(REPO_ROOT / "dags" / "output_cleanup.py")]
+    proc = DAGS_TEST.run(argv, env, log_dir / "cleanup", timeout_s=600)
     (log_dir / "cleanup.log").write_text(proc.stdout + proc.stderr)
     return proc
 
