@@ -16,10 +16,9 @@ Builds run with the host's CA bundle and local wheel directory mounted (never co
 layer), ``--network host`` (pip reaches the registries the host reaches), runc, and ulimits
 this VM allows. podman's layer cache makes an unchanged rebuild take seconds.
 
-One build at a time on a checkout (a lock file under ``.work``), whoever asks: ``make test`` builds
-the images beside its parallel pass, and a test that needs one meanwhile
-(``tests/images/containers.py``) waits for it, then finds it in the cache. Two builds of one tag
-would race for it.
+One build at a time on a checkout (a lock file under ``.work``), whoever asks: a test that needs an
+image while a ``make images`` builds it (``tests/images/containers.py``) waits for it, then finds it
+in the cache. Two builds of one tag would race for it.
 """
 
 from __future__ import annotations
@@ -69,8 +68,8 @@ class ImageSpec:
         return f"localhost/aibrix-batch/{self.name}:{VERSION}"
 
 
-# Built in this order when no names are given: the order `make test`'s parallel pass needs them
-# (the Kubernetes tests run the driver's early; the image tests of the big two come later).
+# Built in this order when no names are given: the small ones first, so a test that needs the
+# driver's image (the Kubernetes tests) waits the least behind a `make images` run by hand.
 IMAGES = {
     spec.name: spec
     for spec in (
