@@ -97,7 +97,13 @@ def serve(port: int) -> None:
     """Start the metrics HTTP endpoint on 127.0.0.1:port once per process."""
     with _serve_lock:
         if port and port not in _served:
-            start_http_server(port, addr="127.0.0.1")
+            try:
+                start_http_server(port, addr="127.0.0.1")
+            except OSError as exc:
+                # vLLM's engine core dies of this at start-up and its own last words are "see root
+                # cause above": say here which setting to change.
+                raise OSError(exc.errno, f"kvcache: metrics_port {port} on 127.0.0.1 cannot be "
+                                         f"bound ({exc.strerror}); free it or set another") from exc
             _served.add(port)
 
 

@@ -121,3 +121,24 @@ def test_stop_process_ends_a_child_on_sigterm():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     stop_process(proc, grace_s=10)
     assert proc.returncode == -15
+
+
+def test_a_start_up_failure_names_the_cause_from_above_the_final_traceback(tmp_path):
+    # What vLLM writes when its engine core cannot start (the connector's metrics port in use,
+    # reproduced 2026-12-07): the cause first, then thirty-odd lines of the API server's traceback
+    # that end in "See root cause above". The message must carry the cause, not only that tail.
+    script = (
+        "import sys\n"
+        "print('(EngineCore pid=7) ERROR EngineCore failed to start.')\n"
+        "print('OSError: [Errno 98] Address already in use')\n"
+        "for i in range(40): print(f'  File \"x.py\", line {i}, in f')\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+        "sys.exit(1)\n"
+    )
+    proc = ServerProcess([sys.executable, "-c", script], dict(os.environ), tmp_path / "s.log", name="vLLM")
+    with pytest.raises(RuntimeError) as failed:
+        proc.start().wait_healthy("http://127.0.0.1:9/health", timeout_s=30)
+    message = str(failed.value)
+    assert "exited with code 1" in message
+    cause = message.index("OSError: [Errno 98] Address already in use")
+    assert cause < message.index("RuntimeError: Engine core initialization failed")

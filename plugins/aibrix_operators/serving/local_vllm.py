@@ -8,13 +8,12 @@ end-to-end tests and the benchmarks; in production vLLM runs in its own pods.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aibrix_operators.serving.ports import free_port
 from aibrix_operators.serving.process import (
     VLLM_STARTUP_TIMEOUT_S,
     ServerProcess,
@@ -29,41 +28,8 @@ __all__ = ["COMPACT_ENGINE_ARGS", "COMPACT_ENGINE_ENV", "VLLMServer", "VLLMServe
            "stop_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-PORTS_FROM = 20000  # free_port's range starts here: clear of the usual services (5432, 6379, 8000s)
 DEFAULT_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 DEFAULT_WORK = REPO_ROOT / ".work"
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range starts there
-
-
-def free_port() -> int:
-    """A TCP port no socket holds now, on any address, for a server started next.
-
-    Chosen *below* the kernel's ephemeral range (``ip_local_port_range``): a port from ``bind(0)``
-    comes from that range, and between the probe and the server's own bind any outgoing connection
-    on the machine may get it as its local port. That happened: the Celery leg's api-server failed
-    with EADDRINUSE on 10.213.x.1:44323 while the scheduler beside it was connecting to PostgreSQL
-    (docs/testing.md). Below the range only an explicit bind can take a port, and ours probe first.
-    """
-    low = _ephemeral_low()
-    if low > PORTS_FROM + 1000:
-        rng = random.SystemRandom()
-        for _ in range(200):
-            port = rng.randrange(PORTS_FROM, low)
-            with socket.socket() as s:
-                try:
-                    s.bind(("0.0.0.0", port))  # every address: a server may bind any of them
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:  # an unusual range, or no free port in it: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # A compact engine for a small CPU host (the suite's servers): vLLM's engine core runs the model

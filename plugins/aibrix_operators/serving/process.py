@@ -10,6 +10,7 @@ until the group is empty — never only the leader.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -90,6 +91,34 @@ def tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+_RAISED = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b.*?:\s.+")
+
+
+def raised(path: Path, most: int = 8) -> list[str]:
+    """The distinct exception lines in a log (``OSError: [Errno 98] ...``), first seen first.
+
+    A vLLM server that fails to start ends its log with the API server's traceback ("Engine core
+    initialization failed. See root cause above."); the cause is the engine core's exception,
+    further up. A CI run (2026-12-07) printed only the tail, and the cause was lost with the log.
+    """
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    seen: list[str] = []
+    for line in lines:
+        line = line.strip()
+        if _RAISED.match(line) and line not in seen:
+            seen.append(line)
+    return seen[:most]
+
+
+def _startup_failure(path: Path) -> str:
+    found = raised(path)
+    causes = "".join(f"\n  {line}" for line in found)
+    return (f"exceptions in the log, first first:{causes}\n" if found else "") + tail(path)
+
+
 class ServerProcess:
     """``cmd`` in a new session, output appended to ``log_path``; use ``stop`` (or ``with``)."""
 
@@ -122,7 +151,7 @@ class ServerProcess:
                 code = self.proc.returncode
                 self.stop()
                 raise RuntimeError(f"{self.name} exited with code {code} during startup; see "
-                                   f"{self.log_path}:\n{tail(self.log_path)}")
+                                   f"{self.log_path}:\n{_startup_failure(self.log_path)}")
             last = probe(url)
             if last is None:
                 return
@@ -132,7 +161,7 @@ class ServerProcess:
         # log cannot: a clean-clone run (2026-12-05) had an embeddings server log "startup
         # complete" and then fail this wait for 9 minutes, with nothing else to go on.
         raise TimeoutError(f"{self.name} did not become healthy in {timeout_s:.0f}s (last probe of {url}: "
-                           f"{last}); see {self.log_path}:\n{tail(self.log_path)}")
+                           f"{last}); see {self.log_path}:\n{_startup_failure(self.log_path)}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is not None:
