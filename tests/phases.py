@@ -1,0 +1,73 @@
+"""A clock for ``make test``'s phases: setup, the images, lint, each pass.
+
+    python3 -m tests.phases reset
+    python3 -m tests.phases run NAME -- CMD ...   # runs CMD, records NAME's start, end, exit status
+    python3 -m tests.phases report
+
+CI keeps only the tail of a run's output, and the suite's time budget (issue 37) is judged on CI's
+machine, whose caches (pip's, podman's layers) may be cold where this one's are warm. ``run``
+prints the table when its command fails, and ``make test`` prints it last, so the tail says where
+the time went either way. Standard library only: it runs before the virtualenvs exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECORD = Path(__file__).resolve().parents[1] / ".work" / "phases.jsonl"
+
+
+def reset(record: Path = RECORD) -> None:
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("")
+
+
+def run(name: str, cmd: list[str], record: Path = RECORD) -> int:
+    """Run ``cmd``; append ``{"phase", "start", "end", "rc"}`` to ``record``; return its status."""
+    start = time.time()
+    rc = subprocess.call(cmd)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with record.open("a") as fh:
+        fh.write(json.dumps({"phase": name, "start": start, "end": time.time(), "rc": rc}) + "\n")
+    if rc != 0:
+        print(f"phase {name!r} failed (exit {rc}):")
+        print(report(record))
+    return rc
+
+
+def report(record: Path = RECORD) -> str:
+    try:
+        phases = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return "no phases recorded"
+    if not phases:
+        return "no phases recorded"
+    first = min(p["start"] for p in phases)
+    lines = [f"{'phase':<22} {'from':>7} {'took':>7}  exit"]
+    for p in phases:
+        took = p["end"] - p["start"]
+        lines.append(f"{p['phase']:<22} {p['start'] - first:>6.0f}s {took:>6.0f}s  {p['rc']}")
+    lines.append(f"{'in all':<22} {'':>7} {max(p['end'] for p in phases) - first:>6.0f}s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["reset"]:
+        reset()
+        return 0
+    if argv[:1] == ["report"]:
+        print("make test's phases (python3 -m tests.phases report):")
+        print(report())
+        return 0
+    if argv[:1] == ["run"] and len(argv) > 3 and argv[2] == "--":
+        return run(argv[1], argv[3:])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
