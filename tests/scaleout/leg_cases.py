@@ -234,15 +234,9 @@ def test_the_scheduler_lost_mid_batch_leaves_running_tasks_running(cluster: Clus
     assert cluster.stub_stats()["requests"] - before <= len(ids) + 8  # health probes at most
 
 
-# Long enough for TCP to back off several times (its retransmissions at 0.2, 0.4, ... 6.4 s add up
-# to 12.6 s), far below any timeout of the driver's. 30 s until 2026-12-07 (48-57 s for the shard
-# then); the four cuts of the two legs were 2 minutes of the parallel pass.
-CUT_S = 15
-
-
 @pytest.mark.parametrize("cut_from", ["endpoint", "s3"])
 def test_a_worker_cut_off_mid_shard_pauses_and_loses_nothing(cluster: Cluster, cut_from: str):
-    """The node running a shard loses its route to the endpoint, or to S3, for CUT_S seconds (its packets
+    """The node running a shard loses its route to the endpoint, or to S3, for 30 s (its packets
     there dropped, as a partition does): the shard stalls and goes on; no request fails, no
     error line, nothing retried."""
     out = f"out/cut-{cut_from}"
@@ -258,7 +252,7 @@ def test_a_worker_cut_off_mid_shard_pauses_and_loses_nothing(cluster: Cluster, c
     rule = ["OUTPUT", "-d", host, "-p", "tcp", "--dport", port, "-j", "DROP"]
     subprocess.run(["ip", "netns", "exec", node.netns, "iptables", "-A", *rule], check=True)
     try:
-        time.sleep(CUT_S)
+        time.sleep(30)
     finally:
         subprocess.run(["ip", "netns", "exec", node.netns, "iptables", "-D", *rule], check=True)
     finished(cluster, run_id)
@@ -272,9 +266,7 @@ def test_a_worker_cut_off_mid_shard_pauses_and_loses_nothing(cluster: Cluster, c
     outcome = cluster.airflow.api(
         "GET", f"/api/v2/dags/batch_inference/dagRuns/{run_id}/taskInstances/dispatch/xcomEntries/"
         "return_value?map_index=0")["value"]  # fmt: skip
-    print(f"cut off from {cut_from} for {CUT_S} s on {node.name}: the shard's outcome {outcome}")
-    # The shard waited out the cut (15 s of work took 15 + CUT_S - 5 s or more) and lost nothing:
-    # the dropped packets were sent again when the route came back, before any timeout, so nothing
-    # failed.
-    assert outcome["elapsed_s"] >= 15 + CUT_S - 5, outcome
-    assert outcome["failed"] == 0 and outcome["completed"] == 240, outcome
+    print(f"cut off from {cut_from} for 30 s on {node.name}: the shard's outcome {outcome}")
+    # The shard waited out the cut (15 s of work took 40 s or more) and lost nothing: the dropped
+    # packets were sent again when the route came back, before any timeout, so nothing failed.
+    assert outcome["elapsed_s"] >= 15 + 25 and outcome["failed"] == 0 and outcome["completed"] == 240, outcome
