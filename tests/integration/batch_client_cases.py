@@ -191,7 +191,11 @@ def test_cli_pool_file_caps_the_batchs_running_shards(api, tmp_path):
     # (apache/airflow#71172; shard_turns.MIN_CHECK_S): then the scheduler's log says so.
     tries = [(t["map_index"], t["try_number"]) for t in dispatch]
     scheduler_log = (api.airflow.home / "component-logs" / "scheduler.log").read_text(errors="replace")
-    failed_checks = [line[:300] for line in scheduler_log.splitlines() if "state attribute is" in line]
+    # A try also goes when every process of the machine stops for longer than the scheduler's
+    # health check (the VM paused ~55 s in a clean clone, 2026-12-07: the scheduler then reset its
+    # own running tasks as orphaned): its log then says "Heartbeat recovered after N seconds".
+    failed_checks = [line[:300] for line in scheduler_log.splitlines()
+                     if "state attribute is" in line or "Heartbeat recovered" in line or "orphaned" in line]
     assert all(n == 1 for _, n in tries), (tries, failed_checks)
     assert most_at_once(worked) <= 2, sorted(zip([t["map_index"] for t in dispatch], worked, strict=True))
     # The first two never wait. Shard 2 goes only once a shard has ended: the rule's record says

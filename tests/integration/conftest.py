@@ -19,7 +19,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from aibrix_operators.local_airflow import airflow_cli
 from aibrix_operators.localenv import REPO_ROOT, WORK_DIR, airflow_env
-from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec
+from aibrix_operators.serving.local_vllm import COMPACT_ENGINE_ENV, VLLMServer, VLLMServerSpec
 from tests.fake_openai import FakeOpenAI
 from tests.integration.dags_test_server import base_key
 from tests.integration.services import S3Server, start_seaweedfs, stop_group
@@ -28,6 +28,20 @@ from tests.starts import COUNTER as STARTS
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 TINY_MODEL = WORK_DIR / "models" / "tiny-llama"
 SERVED_NAME = "tiny-llama"
+
+
+def run_batch_env() -> dict[str, str]:
+    """The environment of a ``vllm run_batch`` the tests compare with: offline, the compact engine
+    of the servers it is compared with, and the temporary folder the servers use (``.work/tmp``).
+
+    Not the test's ``tmp_path``: vLLM puts its engine's IPC socket there, and a socket path has a
+    107-byte limit that ``/tmp/pytest-of-root/pytest-12/popen-gw1/test_output_lines_match_vllm_r0/
+    <uuid>`` overflowed once pytest's session count reached two digits (a clean clone, 2026-12-07).
+    """
+    tmp = WORK_DIR / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"), "HF_HUB_OFFLINE": "1",
+            "TMPDIR": str(tmp), **COMPACT_ENGINE_ENV}
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -24,14 +23,19 @@ from typing import Any
 
 import pytest
 
-from aibrix_operators.localenv import WORK_DIR
 from aibrix_operators.serving.local_vllm import (
     COMPACT_ENGINE_ARGS,
-    COMPACT_ENGINE_ENV,
     VLLMServer,
     VLLMServerSpec,
 )
-from tests.integration.conftest import INFERENCE_PYTHON, SERVED_NAME, dags_test, read_jsonl, write_jsonl
+from tests.integration.conftest import (
+    INFERENCE_PYTHON,
+    SERVED_NAME,
+    dags_test,
+    read_jsonl,
+    run_batch_env,
+    write_jsonl,
+)
 from tests.integration.test_output_shape import key_structure
 
 pytestmark = pytest.mark.e2e
@@ -64,9 +68,7 @@ def post(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_batch(input_path: Path, output_path: Path, model: str, served: str, *args: str) -> list[dict]:
-    # The same compact engine as the servers it is compared with (local_vllm.COMPACT_ENGINE_ENV).
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"), "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(input_path.parent), **COMPACT_ENGINE_ENV}
+    env = run_batch_env()  # the same compact engine as the servers it is compared with
     proc = subprocess.run(
         [str(INFERENCE_PYTHON), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
          "-o", str(output_path), "--model", model, "--served-model-name", served,

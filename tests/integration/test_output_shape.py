@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from typing import Any
 
 import pytest
 
-from aibrix_operators.localenv import WORK_DIR
-from aibrix_operators.serving.local_vllm import COMPACT_ENGINE_ARGS, COMPACT_ENGINE_ENV
+from aibrix_operators.serving.local_vllm import COMPACT_ENGINE_ARGS
 from tests.integration.conftest import (
     INFERENCE_PYTHON,
     SERVED_NAME,
     chat_requests,
     dags_test,
     read_jsonl,
+    run_batch_env,
     write_jsonl,
 )
 
@@ -39,9 +38,7 @@ def test_output_lines_match_vllm_run_batch_structure(vllm_chat, tiny_model, airf
     requests = chat_requests(4)
     input_path = write_jsonl(tmp_path / "input.jsonl", requests)
     reference = tmp_path / "run_batch.jsonl"
-    # The same compact engine as vllm_chat (local_vllm.COMPACT_ENGINE_ENV), which it is compared with.
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(WORK_DIR / "cache"), "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(tmp_path), **COMPACT_ENGINE_ENV}
+    env = run_batch_env()  # the same compact engine as vllm_chat, which it is compared with
     ran = subprocess.run(
         [str(INFERENCE_PYTHON), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
          "-o", str(reference), "--model", str(tiny_model), "--served-model-name", SERVED_NAME,
