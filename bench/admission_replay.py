@@ -20,6 +20,12 @@ work of earlier deadlines, at the learned rate).
 
     .venv/bin/python bench/admission_replay.py                       # seed 1, 24 h
     .venv/bin/python bench/admission_replay.py --seeds 1,2,3 --json /tmp/admission.json
+    .venv/bin/python bench/admission_replay.py --non-preemptive    # a started batch keeps the endpoint
+
+``--non-preemptive`` (2026-12-07): the order the pipeline does not have yet, tried here first. A
+batch that has started keeps the endpoint until it ends; the waiting ones go by deadline, and
+admission counts the started batch's remaining work ahead of every newcomer. At 10 % done nothing
+can come ahead of a batch any more, so its estimate errs only by the rate and its own tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from aibrix_operators.batch.admission import Rate, Work, estimate, measured, wor
 KEY = "model @ endpoint"
 WINDOWS_S = (3600, 2 * 3600, 4 * 3600, 8 * 3600, 24 * 3600)
 STEP_S = 1.0  # the simulation's tick
+STARTED = -1.0  # the order key of a batch that keeps the endpoint (--non-preemptive): before any deadline
 
 
 @dataclass
@@ -83,7 +90,7 @@ def draw_batches(rng: random.Random, hours: float, per_hour: float) -> list[Batc
 
 
 def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: float = 6000.0,
-           drift_step: float = 0.1) -> dict:
+           drift_step: float = 0.1, non_preemptive: bool = False) -> dict:
     rng = random.Random(seed)
     arrivals = draw_batches(rng, hours, per_hour)
     rate: Rate | None = None
@@ -91,7 +98,11 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
     refused: list[Batch] = []
     no_measurement = 0
     now, i, drift = 0.0, 0, 1.0
-    running: list[tuple[float, int, Batch]] = []  # (deadline, id, batch): earliest deadline first
+    # (deadline, id, batch): earliest deadline first; non_preemptive: the started batch first.
+    running: list[tuple[float, int, Batch]] = []
+
+    def ahead_key(x: Batch) -> float:
+        return STARTED if non_preemptive and x.started is not None else x.deadline
     while i < len(arrivals) or running:
         if int(now) % 60 == 0:
             drift = min(1.3, max(0.7, drift * rng.uniform(1 - drift_step, 1 + drift_step)))
@@ -99,7 +110,7 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
             b = arrivals[i]
             i += 1
             # The queue as the deployment keeps it: every admitted batch's work, at today's rate.
-            queue = [] if rate is None else sorted((int(x.deadline), work_tokens(x.work, rate))
+            queue = [] if rate is None else sorted((int(ahead_key(x)), work_tokens(x.work, rate))
                                                    for _, _, x in running)
             est = estimate(b.work, rate, queue, now, int(b.arrival), int(b.deadline))
             if est.feasible is False:
@@ -114,6 +125,8 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
             _, _, b = running[0]
             if b.started is None:
                 b.started = now
+                if non_preemptive:
+                    heapq.heapreplace(running, (STARTED, b.id, b))
             take = min(budget, b.true_tokens - b.done_tokens)
             b.done_tokens += take
             b.engine_s += take / (capacity * drift)
@@ -127,7 +140,7 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
                     # remaining tokens), the others' too once they have started, else their estimate.
                     ahead = sum((x.true_tokens - x.done_tokens) if x.started is not None
                                 else (x.estimate_tokens or 0) for _, _, x in running
-                                if x is not b and x.deadline <= b.deadline)
+                                if x is not b and ahead_key(x) <= ahead_key(b))
                     b.eta_queue = b.tenth_at + (ahead + 0.9 * b.true_tokens) / rate.tokens_per_s
                     # What the Batch API shows (batch_api/status.py): its own tokens left, at the rate.
                     b.eta_api = b.tenth_at + 0.9 * b.true_tokens / rate.tokens_per_s
@@ -153,7 +166,8 @@ def replay(seed: int, hours: float = 24.0, per_hour: float = 6.0, capacity: floa
               and b.admitted_feasible is not None]
     missed_unmeasured = [b.id for b in admitted if b.finished is not None and b.finished > b.deadline
                          and b.admitted_feasible is None]
-    result = {"seed": seed, "drift_step": drift_step, "batches": len(arrivals), "admitted": len(admitted),
+    result = {"seed": seed, "drift_step": drift_step, "non_preemptive": non_preemptive,
+              "batches": len(arrivals), "admitted": len(admitted),
               "refused": len(refused),
               "admitted_without_measurement": no_measurement, "missed_windows": missed,
               "missed_windows_admitted_without_measurement": missed_unmeasured}
@@ -176,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the endpoint's tokens/s (it drifts +-30 %%)")
     p.add_argument("--drift", type=float, default=0.1,
                    help="the capacity's step a minute, as a fraction (0: a steady endpoint)")
+    p.add_argument("--non-preemptive", action="store_true",
+                   help="a started batch keeps the endpoint until it ends (the others by deadline)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    results = [replay(int(seed), args.hours, args.per_hour, args.capacity, args.drift)
+    results = [replay(int(seed), args.hours, args.per_hour, args.capacity, args.drift, args.non_preemptive)
                for seed in args.seeds.split(",")]
     for r in results:
         print(json.dumps(r))
