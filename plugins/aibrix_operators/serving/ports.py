@@ -18,12 +18,14 @@ machine was handed in the last ``PORT_LEASE_S`` seconds. Two rules, each from a 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import random
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["PORTS_FROM", "PORT_LEASE_S", "free_port"]
@@ -70,35 +72,40 @@ def _pick(low: int, leased: dict[int, float]) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def _leases(path: Path) -> Iterator[dict[int, float]]:
+    """The live leases, held under the lock; what the caller adds is written back. Without a
+    writable lock file (no shared /tmp), an empty table: ports are then probed only."""
+    try:
+        lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield {}
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        leased = _read(path, time.time())
+        before = len(leased)
+        yield leased
+        if len(leased) != before:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps({str(p): t for p, t in leased.items()}))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # another user's file in a sticky /tmp: the port stays probed only
+    finally:
+        os.close(lock)
+
+
 def free_port(leases: Path | None = None) -> int:
     """A TCP port for a server started next (see the module's docstring for the two rules)."""
     low = _ephemeral_low()
     if low > PORTS_FROM + 1000:
-        path = leases or LEASES
-        try:
-            lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:
-            lock = None  # no shared /tmp to write: probe only
-        if lock is None:
-            port = _pick(low, {})
-        else:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                now = time.time()
-                leased = _read(path, now)
-                port = _pick(low, leased)
-                if port is not None:
-                    leased[port] = now + PORT_LEASE_S
-                    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-                    try:
-                        tmp.write_text(json.dumps({str(p): t for p, t in leased.items()}))
-                        os.replace(tmp, path)
-                    except OSError:
-                        pass  # another user's file in a sticky /tmp: the port stays probed only
-            finally:
-                os.close(lock)
-        if port is not None:
-            return port
+        with _leases(leases or LEASES) as leased:
+            port = _pick(low, leased)
+            if port is not None:
+                leased[port] = time.time() + PORT_LEASE_S
+                return port
     with socket.socket() as s:  # an unusual range, or no free port in it: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
