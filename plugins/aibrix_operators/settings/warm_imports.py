@@ -47,16 +47,12 @@ def forks_dag_parses(argv: Sequence[str]) -> bool:
     return any(tuple(args[: len(c)]) == c for c in FORKING_COMPONENTS)
 
 
-def warm(argv: Sequence[str] | None = None) -> list[str]:
-    """Import ``MODULES`` if this process is a forking component; the modules it imported."""
+def warm(argv: Sequence[str] | None = None) -> None:
+    """Import ``MODULES`` if this process is a forking component."""
     if not forks_dag_parses(sys.argv if argv is None else argv):
-        return []
-    imported = []
+        return
     for name in MODULES:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the parse reports it where Airflow shows import errors
             log.warning("could not pre-import %s for the DAG parses: %s", name, exc)
-        else:
-            imported.append(name)
-    return imported
