@@ -138,16 +138,20 @@ images: system-packages
 # found no request queued where one should be).
 # Then the tests that must run alone.
 # Each step runs under tests/phases.py's clock: the table of what each took ends the output, and a
-# failed step prints it too (CI keeps only the output's tail).
+# failed step prints it too (CI keeps only the output's tail). A fixed one-core workload is timed
+# before and after (its "speed probe" line): this VM's speed moves by tens of percent from day to
+# day, and a suite's time means little without it.
 PHASE = $(PYTHON) -m tests.phases run
 test:
 	@$(PYTHON) -m tests.phases reset
+	@$(PYTHON) -m tests.phases probe
 	$(PHASE) "setup+images+inference" -- $(MAKE) -j2 images inference-after-setup
 	$(PHASE) "parallel+eval model" -- $(MAKE) -j2 eval-model-idle test-parallel
 	$(PHASE) serial -- $(MAKE) test-serial
 	@$(VENV)/bin/python -m tests.starts
 	@echo "the 30 longest test phases of every pass (python -m tests.durations slowest N):"
 	@$(VENV)/bin/python -m tests.durations slowest 30
+	@$(PYTHON) -m tests.phases probe
 	@$(PYTHON) -m tests.phases report
 
 # The kvcache pass runs as soon as setup is done, beside the image builds: they need podman's

@@ -3,11 +3,17 @@
     python3 -m tests.phases reset
     python3 -m tests.phases run NAME -- CMD ...   # runs CMD, records NAME's start, end, exit status
     python3 -m tests.phases report
+    python3 -m tests.phases probe                 # times a fixed one-core workload, recorded
 
 CI keeps only the tail of a run's output, and the suite's time budget (issue 37) is judged on CI's
 machine, whose caches (pip's, podman's layers) may be cold where this one's are warm. ``run``
 prints the table when its command fails, and ``make test`` prints it last, so the tail says where
 the time went either way. Standard library only: it runs before the virtualenvs exist.
+
+The probe: this VM ran the same tree's serial pass in 174 s one day and 295 s another (clean clones,
+docs/testing.md), so a suite's time says little without the machine's speed beside it. ``make test``
+times a fixed single-threaded workload at its start and at its end, when nothing else of the suite
+runs, and the report prints both: runs compare by their times over their probes.
 """
 
 from __future__ import annotations
@@ -39,11 +45,36 @@ def run(name: str, cmd: list[str], record: Path = RECORD) -> int:
     return rc
 
 
+def _workload() -> int:
+    """Fixed pure-Python work (integer arithmetic, a dict, string formatting): ~0.5 s on this VM, idle."""
+    seen: dict[int, str] = {}
+    acc = 0
+    for i in range(600_000):
+        acc = (acc * 31 + i) % 1_000_003
+        seen[acc & 0xFFFF] = f"{i:x}"
+    return acc + len(seen)
+
+
+def probe(record: Path = RECORD, runs: int = 3) -> float:
+    """The workload's best wall time of ``runs`` (the best: a stray process must not count), recorded."""
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        _workload()
+        best = min(best, time.perf_counter() - start)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with record.open("a") as fh:
+        fh.write(json.dumps({"probe": best, "at": time.time()}) + "\n")
+    return best
+
+
 def report(record: Path = RECORD) -> str:
     try:
         phases = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return "no phases recorded"
+    probes = [p["probe"] for p in phases if "probe" in p]
+    phases = [p for p in phases if "phase" in p]
     if not phases:
         return "no phases recorded"
     first = min(p["start"] for p in phases)
@@ -52,12 +83,18 @@ def report(record: Path = RECORD) -> str:
         took = p["end"] - p["start"]
         lines.append(f"{p['phase']:<22} {p['start'] - first:>6.0f}s {took:>6.0f}s  {p['rc']}")
     lines.append(f"{'in all':<22} {'':>7} {max(p['end'] for p in phases) - first:>6.0f}s")
+    if probes:
+        lines.append("speed probe (one core, fixed work; lower is faster): "
+                     + ", ".join(f"{s:.2f}s" for s in probes))
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["reset"]:
         reset()
+        return 0
+    if argv[:1] == ["probe"]:
+        print(f"speed probe: {probe():.2f}s")
         return 0
     if argv[:1] == ["report"]:
         print("make test's phases (python3 -m tests.phases report):")
