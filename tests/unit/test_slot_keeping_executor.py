@@ -1,7 +1,7 @@
 """SlotKeepingLocalExecutor: Airflow's LocalExecutor queues and slot accounting, with the test
 playing the worker process (it takes workloads off the activity queue and reports their ends in
 whatever order a loaded machine produces). The end-to-end effects, deadline order with one
-slot and no try lost to a reschedule, are in tests/integration (test_shared_capacity_vllm.py,
+slot and no try lost to a reschedule, are in tests/integration (test_deadline_order_vllm.py,
 batch_client_cases.py)."""
 
 from __future__ import annotations
