@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="override the config's steps (experiments)")
     parser.add_argument("--lr", type=float, help="override the config's learning rate (experiments)")
     args = parser.parse_args(argv)
-    # The base model's lock too (always base first, then this folder's: no two orders, no deadlock):
-    # the base must not be retrained underneath while this reads its key and weights.
-    with training_lock(args.base), training_lock(args.out):
+    # The base model's lock too, shared (always base first, then this folder's: no two orders, no
+    # deadlock): the base must not be retrained underneath while this reads its key and weights,
+    # and whoever only checks the base (the nightly-eval test) need not wait for this training.
+    with training_lock(args.base, shared=True), training_lock(args.out):
         _train_unless_cached(args)
 
 

@@ -210,13 +210,17 @@ def _cpu_seconds() -> float:
 
 
 @contextlib.contextmanager
-def training_lock(out: Path):
-    """Held while ``out`` is checked and trained: ``make test`` trains in the background while the
-    suite runs, and a test that needs the model runs the same script, which waits here and then
-    finds the key matching instead of training into the same folder at once."""
+def training_lock(out: Path, shared: bool = False):
+    """Held while ``out`` is trained (exclusive) or read (``shared``): ``make test`` trains in the
+    background while the suite runs, and a test that needs the model runs the same script, which
+    waits here and then finds the key matching instead of training into the same folder at once.
+
+    Readers share it: the key check, and the adapter's training, which reads this model for minutes.
+    Until 2026-12-07 every holder was exclusive, so the nightly-eval test's key check waited for the
+    whole adapter training, a model it does not use (170 s of a worker's setup in a clean clone)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
 
 
@@ -225,27 +229,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, help="override the config's steps (experiments)")
     args = parser.parse_args(argv)
-    with training_lock(args.out):
-        _train_unless_cached(args)
-
-
-def _train_unless_cached(args: argparse.Namespace) -> None:
     config = dict(CONFIG, **({"steps": args.steps} if args.steps else {}))
+    with training_lock(args.out, shared=True):
+        if up_to_date(args.out, config):
+            return
+    # Not current: trained under the exclusive lock, checked again there (another process may have
+    # trained it between the two locks; flock has no atomic upgrade).
+    with training_lock(args.out):
+        _train_unless_cached(args.out, config)
+
+
+def up_to_date(out: Path, config: dict[str, Any]) -> bool:
+    """Whether ``out`` holds the model this script and ``config`` train (and its degraded twin)."""
     key = cache_key(config)
-    key_file = args.out / "train_key.txt"
-    degraded = args.out.parent / (args.out.name + "-degraded") / "model.safetensors"
+    key_file = out / "train_key.txt"
+    degraded = out.parent / (out.name + "-degraded") / "model.safetensors"
     if key_file.exists() and key_file.read_text().strip() == key and degraded.exists():
-        print(f"eval model up to date: {args.out} (key {key})")
+        print(f"eval model up to date: {out} (key {key})")
+        return True
+    return False
+
+
+def _train_unless_cached(out: Path, config: dict[str, Any]) -> None:
+    if up_to_date(out, config):
         return
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    key = cache_key(config)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     cpu0 = _cpu_seconds()
-    report = train(args.out, config)
+    report = train(out, config)
     report["script_cpu_s"] = round(_cpu_seconds() - cpu0, 1)  # tokenizer, training, evaluation
     report["key"] = key
-    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
-    key_file.write_text(key + "\n")  # last: an interrupted run retrains
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "train_key.txt").write_text(key + "\n")  # last: an interrupted run retrains
     print(json.dumps(report, indent=2))
 
 
