@@ -28,6 +28,11 @@ from tests.starts import COUNTER as STARTS
 INFERENCE_PYTHON = REPO_ROOT / ".venv-inference" / "bin" / "python"
 TINY_MODEL = WORK_DIR / "models" / "tiny-llama"
 SERVED_NAME = "tiny-llama"
+# The fake OpenAI server (tests/fake_openai.py) as a model a deployment serves, for tests whose
+# requests must take long but need no tokens: a request whose body has ``fault: ["ok@S"]`` is
+# answered after S seconds, at no CPU (two Batch API tests that used vLLM's long generations for
+# time: 308 CPU-s with their stack, 147 on this; batch_client_cases.py).
+PACED_MODEL = "paced-stub"
 
 
 def run_batch_env() -> dict[str, str]:

@@ -28,7 +28,8 @@ from aibrix_operators.batch_api.batches import API_CONF_KEY
 from aibrix_operators.batch_api.tenant_salt import CLAIM_KEY, tenant_cache_salt
 from aibrix_operators.local_airflow import AirflowDeployment, start_airflow, trigger_and_wait
 from aibrix_operators.serving.local_vllm import free_port
-from tests.integration.conftest import SERVED_NAME, chat_requests, read_jsonl, write_jsonl
+from tests.fake_openai import FakeOpenAI
+from tests.integration.conftest import PACED_MODEL, SERVED_NAME, chat_requests, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +53,17 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
+def paced_stub() -> Iterator[FakeOpenAI]:
+    """The deployment's second model: requests that take long without costing tokens (PACED_MODEL)."""
+    server = FakeOpenAI(model=PACED_MODEL).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def api(airflow_session_env, vllm_chat, paced_stub, tmp_path_factory) -> Iterator[Api]:
     home = tmp_path_factory.mktemp("airflow-batch-api")
     root = tmp_path_factory.mktemp("batch-api-root")
     keys = {"alpha": "sk-alpha-" + secrets.token_hex(16), "beta": "sk-beta-" + secrets.token_hex(16)}
@@ -62,7 +73,8 @@ def api(airflow_session_env, vllm_chat, tmp_path_factory) -> Iterator[Api]:
         # Only digests are configured; the raw keys exist in this test alone.
         "AIRFLOW_VAR_AIBRIX_BATCH_API_KEYS": json.dumps({key_digest(k): t for t, k in keys.items()}),
         "AIRFLOW__AIBRIX_BATCH__API_STORAGE_ROOT": str(root),
-        "AIRFLOW__AIBRIX_BATCH__API_MODELS": f"{SERVED_NAME}={vllm_chat.base_url}",
+        "AIRFLOW__AIBRIX_BATCH__API_MODELS":
+            f"{SERVED_NAME}={vllm_chat.base_url}, {PACED_MODEL}={paced_stub.url}",
         "AIRFLOW__AIBRIX_BATCH__API_MAX_FILE_BYTES": str(MAX_UPLOAD),
         "AIRFLOW__AIBRIX_BATCH__API_DAG_CONF": json.dumps({"requests_per_shard": 200}),
         # The per-tenant cache_salt key (batch_api/tenant_salt.py), shared by the api-server's
