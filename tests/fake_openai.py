@@ -381,6 +381,13 @@ class FakeOpenAI:
         self.up()
         return self
 
+    def __enter__(self) -> FakeOpenAI:
+        """``with FakeOpenAI(...).start() as server:`` stops it at the block's end."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         assert self._loop is not None and self._thread is not None
         self.down()

@@ -90,11 +90,8 @@ def airflow_session_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
 @pytest.fixture
 def fake() -> Iterator[FakeOpenAI]:
     """The fake OpenAI server (tests/fake_openai.py) serving SERVED_NAME, on 127.0.0.1, per test."""
-    server = FakeOpenAI(model=SERVED_NAME).start()
-    try:
+    with FakeOpenAI(model=SERVED_NAME).start() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

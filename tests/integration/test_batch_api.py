@@ -55,11 +55,8 @@ class Api:
 @pytest.fixture(scope="module")
 def paced_stub() -> Iterator[FakeOpenAI]:
     """The deployment's second model: requests that take long without costing tokens (PACED_MODEL)."""
-    server = FakeOpenAI(model=PACED_MODEL).start()
-    try:
+    with FakeOpenAI(model=PACED_MODEL).start() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
