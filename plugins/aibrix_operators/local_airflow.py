@@ -111,12 +111,17 @@ class AirflowDeployment:
 
     def unpause(self, *dag_ids: str, token: str | None = None, timeout_s: float = 120) -> None:
         """Unpause DAGs, waiting for the dag-processor to parse them (shortly after start)."""
+        self.set_paused(*dag_ids, paused=False, token=token, timeout_s=timeout_s)
+
+    def set_paused(self, *dag_ids: str, paused: bool, token: str | None = None,
+                   timeout_s: float = 120) -> None:
+        """Pause or unpause DAGs, waiting for the dag-processor to parse them (shortly after start)."""
         token = token or self.token()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 for dag_id in dag_ids:
-                    self.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False}, token)
+                    self.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": paused}, token)
                 return
             except AssertionError as exc:  # not parsed yet
                 if time.monotonic() > deadline:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from aibrix_operators.local_airflow import start_airflow
 from aibrix_operators.serving.local_vllm import VLLMServer
 from tests.integration import priority_vllm
-from tests.integration.conftest import SERVED_NAME
+from tests.integration.conftest import SERVED_NAME, chat_requests, most_at_once, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +31,6 @@ def vllm_priority(tiny_model: Path) -> Iterator[VLLMServer]:
         yield server
 
 
-def _wait_for_dag(deployment, token: str, paused: bool) -> None:
-    deadline = time.monotonic() + 120
-    while True:  # the dag-processor parses the DAG folder shortly after start
-        try:
-            deployment.api("PATCH", "/api/v2/dags/batch_inference", {"is_paused": paused}, token)
-            return
-        except AssertionError:
-            assert time.monotonic() < deadline, "batch_inference was not parsed in time"
-            time.sleep(1)
-
-
 def test_three_batches_submitted_together_finish_in_deadline_order(
     airflow_session_env: dict, vllm_priority: VLLMServer, tmp_path: Path,
 ) -> None:
@@ -48,16 +38,14 @@ def test_three_batches_submitted_together_finish_in_deadline_order(
     first: the cluster policy (deadline_order.py) runs the tight one first, then the moderate
     one, then the relaxed one, in shared mode against the priority-scheduled server. A fourth
     run that asks for dedicated mode on that shared endpoint fails with its reason."""
-    from aibrix_operators.local_airflow import start_airflow
-    from tests.integration.conftest import chat_requests, most_at_once, read_jsonl, write_jsonl
-
     home = tmp_path / "airflow"
     env = {**airflow_session_env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__PARALLELISM": "1",
            "AIRFLOW__AIBRIX_BATCH__SHARED_ENDPOINTS": vllm_priority.base_url}
     deployment = start_airflow(env, home)
     try:
         token = deployment.token()
-        _wait_for_dag(deployment, token, paused=True)
+        # Parsed but still paused: the runs are queued first, all at once.
+        deployment.set_paused("batch_inference", paused=True, token=token)
         runs: dict[str, str] = {}
         for name, window, mode in (("relaxed", "24h", ""), ("moderate", "2h", ""), ("tight", "20m", ""),
                                    ("insists_dedicated", "12h", "dedicated")):
@@ -69,7 +57,7 @@ def test_three_batches_submitted_together_finish_in_deadline_order(
             run = deployment.api("POST", "/api/v2/dags/batch_inference/dagRuns",
                                  {"logical_date": None, "conf": conf}, token)
             runs[name] = run["dag_run_id"]
-        _wait_for_dag(deployment, token, paused=False)
+        deployment.unpause("batch_inference", token=token)
         deadline = time.monotonic() + 900
         states: dict[str, str] = {}
         while len(states) < len(runs):
