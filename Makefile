@@ -97,16 +97,18 @@ $(MODEL)/config.json: inference_images/vllm/make_model.py | $(IVENV)/.installed
 
 # The small model the eval suites score (trained on CPU, cached by a hash of script + config), and
 # its LoRA adapter for the reverse_facts suite. Only the nightly-eval tests use them: `make test`
-# builds them, `make run` does not.
+# builds them, `make run` does not. Once trained on a machine they are kept in its model cache
+# (inference_images/vllm/model_cache.py, ~/.cache/aibrix-batch/models), and another checkout copies
+# them, as podman's layer cache spares it the image builds.
 eval-model: $(EVAL_MODEL)/train_key.txt $(EVAL_ADAPTER)/train_key.txt
 
 $(EVAL_MODEL)/train_key.txt: inference_images/vllm/train_eval_model.py plugins/aibrix_operators/evaluation/tasks.py | $(IVENV)/.installed
-	@echo "eval-model: training the nightly-eval model in $(EVAL_MODEL) (~180 CPU-seconds, once; cached by a hash of its script and config)"
+	@echo "eval-model: the nightly-eval model in $(EVAL_MODEL) (trained once a machine, ~180 CPU-seconds; cached by a hash of its script, config and libraries)"
 	$(PYTHON) -m tests.phases run "eval model" -- $(IVENV)/bin/python inference_images/vllm/train_eval_model.py $(EVAL_MODEL)
 	touch $@
 
 $(EVAL_ADAPTER)/train_key.txt: $(EVAL_MODEL)/train_key.txt inference_images/vllm/train_eval_adapter.py plugins/aibrix_operators/evaluation/adapter_tasks.py | $(IVENV)/.installed
-	@echo "eval-model: training the eval model's LoRA adapter in $(EVAL_ADAPTER) (~70 CPU-seconds, once; cached like the model)"
+	@echo "eval-model: the eval model's LoRA adapter in $(EVAL_ADAPTER) (trained once a machine, ~70 CPU-seconds; cached like the model)"
 	$(PYTHON) -m tests.phases run "eval adapter" -- $(IVENV)/bin/python inference_images/vllm/train_eval_adapter.py $(EVAL_MODEL) $(EVAL_ADAPTER)
 	touch $@
 

@@ -12,7 +12,8 @@ Also writes ``<out>-degraded``: the same adapter with noise on its B matrices, t
 adapter" the regression test deploys.
 
 Cached like the base: ``train_key.txt`` holds a hash of this script, the task modules, the
-config and the base model's own key; a match skips training.
+config, the training libraries' versions and the base model's own key; a match skips training, and
+the machine's model cache (``model_cache.py``) spares another checkout the training.
 
 Usage (inference environment)::
 
@@ -33,8 +34,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
+import model_cache  # noqa: E402
 from train_eval_model import (  # noqa: E402
     TASKS,
+    TRAINING_LIBRARIES,
     _cpu_seconds,
     encode_batch,
     greedy_accuracy,
@@ -66,6 +69,7 @@ def cache_key(config: dict[str, Any], base: Path) -> str:
     for path in (HERE, TASKS, ADAPTER_TASKS, base / "train_key.txt"):
         digest.update(path.read_bytes())
     digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(model_cache.library_versions(*TRAINING_LIBRARIES).encode())
     return digest.hexdigest()[:16]
 
 
@@ -202,11 +206,15 @@ def _train_unless_cached(args: argparse.Namespace) -> None:
     if key_file.exists() and key_file.read_text().strip() == key and degraded.exists():
         print(f"eval adapter up to date: {args.out} (key {key})")
         return
+    folders = [args.out, degraded.parent]
+    if model_cache.restore(args.out.name, key, folders):
+        return
     report = train(args.base, args.out, config)
     report["key"] = key
     (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     key_file.write_text(key + "\n")  # last: an interrupted run retrains
     print(json.dumps(report, indent=2))
+    model_cache.store(args.out.name, key, folders)
 
 
 if __name__ == "__main__":

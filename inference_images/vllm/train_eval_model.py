@@ -12,8 +12,9 @@ Also writes a deliberately degraded checkpoint (the trained weights plus Gaussia
 the regression test deploys as "a worse night".
 
 Cached: the output directory holds ``train_key.txt``, a hash of this script, the task
-generators and the config; a matching key skips training (checked before torch is imported),
-a changed script or config retrains.
+generators, the config and the versions of the libraries that train; a matching key skips training
+(checked before torch is imported), a changed script or config retrains. A model trained in another
+checkout of this machine is copied from the machine's model cache (``model_cache.py``) instead.
 
 Usage (inference environment)::
 
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+import model_cache  # noqa: E402
+
 TASKS = HERE.parents[2] / "plugins" / "aibrix_operators" / "evaluation" / "tasks.py"
 
 CONFIG: dict[str, Any] = {
@@ -56,6 +60,9 @@ CONFIG: dict[str, Any] = {
     "degrade_noise": 1.0,
 }
 
+# What trains the model and its tokenizer: their versions are part of the cache key.
+TRAINING_LIBRARIES = ("torch", "transformers", "tokenizers")
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
@@ -70,6 +77,7 @@ def cache_key(config: dict[str, Any]) -> str:
     digest.update(HERE.read_bytes())
     digest.update(TASKS.read_bytes())
     digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(model_cache.library_versions(*TRAINING_LIBRARIES).encode())
     return digest.hexdigest()[:16]
 
 
@@ -254,6 +262,9 @@ def _train_unless_cached(out: Path, config: dict[str, Any]) -> None:
     if up_to_date(out, config):
         return
     key = cache_key(config)
+    folders = [out, out.parent / (out.name + "-degraded")]
+    if model_cache.restore(out.name, key, folders):
+        return
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -264,6 +275,7 @@ def _train_unless_cached(out: Path, config: dict[str, Any]) -> None:
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "train_key.txt").write_text(key + "\n")  # last: an interrupted run retrains
     print(json.dumps(report, indent=2))
+    model_cache.store(out.name, key, folders)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "inference_images" / "vllm" / "tr
 
 
 @pytest.fixture
-def trainer() -> Any:
+def trainer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("AIBRIX_MODEL_CACHE", "off")  # the machine's cache: test_model_cache.py
     spec = importlib.util.spec_from_file_location("train_eval_model_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
