@@ -9,7 +9,7 @@ import pytest
 
 from tests.scripts import BENCH, load_script
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.waits]  # its own lane: docs/testing.md
 
 TRIALS = 20
 

@@ -15,7 +15,7 @@ from aibrix_operators.storage import S3Storage
 from tests.driver.test_driver_faults import config, results_by_id
 from tests.integration.services import start_seaweedfs, stop_group
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.waits]  # its own lane: docs/testing.md
 
 BUCKET = "ckpt"
 N = 400

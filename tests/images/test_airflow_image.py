@@ -16,7 +16,7 @@ from aibrix_operators.scheduling.recovery import RECOVERY_ENV
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect, last_error_line, run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]  # its own lane: docs/testing.md
 
 BASH = ["--entrypoint", "/bin/bash"]  # the stand-in base has no /entrypoint script of its own
 EXPECTED_DAGS = {"batch_inference", "s3_dropzone", "nightly_eval__arithmetic", "aibrix_output_cleanup"}

@@ -14,7 +14,7 @@ import pytest
 from aibrix_operators.serving.local_vllm import free_port
 from tests.images.containers import Detached, answers_200, inspect
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]  # its own lane: docs/testing.md
 
 KV_TRANSFER = {
     "kv_connector": "KVCacheConnector", "kv_connector_module_path": "kvcache.connector",

@@ -22,7 +22,7 @@ from tests.integration.gate_proxy import GateProxy
 from tests.k8s_double import FakeCluster, Image
 from tests.k8s_double.fixtures import driver_container_image
 
-pytestmark = [pytest.mark.e2e, pytest.mark.double_only(
+pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.double_only(
     "kills, deletes and faults pods through the double's kubelet and API")]
 
 NS = "batch"

@@ -21,7 +21,7 @@ from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionEr
 from aibrix_operators.dropzone.core import DropZone, claim, find_new, record, run_id_for
 from tests.integration.services import S3Server, start_seaweedfs, stop_group
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.waits]  # its own lane: docs/testing.md
 
 BUCKET = "dropzone-outage"
 KEY, SECRET = "outage-key", "outage-secret"

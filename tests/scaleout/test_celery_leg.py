@@ -10,6 +10,6 @@ from tests.integration.conftest import airflow_session_env  # noqa: F401 - fixtu
 from tests.scaleout.leg_cases import *  # noqa: F403 - the cases every leg runs, collected here
 from tests.scaleout.leg_cases import leg_cluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.waits]  # its own lane: docs/testing.md
 
 cluster = leg_cluster("celery")
