@@ -196,10 +196,25 @@ def start_airflow(
                 return r.status == 200
 
         wait_until(api_up, 120, "Airflow api-server", procs[0], logs / "api-server.log")
+        warm_execution_api(deployment.api_url)
     except BaseException:
         deployment.stop()
         raise
     return deployment
+
+
+def warm_execution_api(api_url: str, timeout_s: float = 300) -> None:
+    """Make the api-server build its execution API now, not at a worker's first call.
+
+    The execution API (Cadwyn) generates its versioned routes on its first request, on the
+    api-server's event loop: every request waits meanwhile. That took 9.5 s on an idle 2-core VM
+    (2026-12-07, py-spy: ``Cadwyn._cadwyn_initialize``) and 36 s beside the test suite, where the
+    first task's ``PATCH .../run`` outlasted the task SDK's five tries of 5 s
+    (``[workers] execution_api_timeout``) and the task failed, and a REST call waiting behind it
+    timed out. One request at start, as a readiness probe on ``/execution/health`` would make."""
+    with urllib.request.urlopen(api_url + "/execution/health", timeout=timeout_s) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{api_url}/execution/health answered {resp.status}")
 
 
 TERMINAL_RUN_STATES = ("success", "failed")
