@@ -30,7 +30,7 @@ export HF_HOME := $(CURDIR)/$(WORK)/cache/hf
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test inference-after-setup test-fast test-orchestrator test-parallel test-waiting test-serial test-inference eval-model-idle durations images lint system-packages eval-model bench clean
+.PHONY: setup run test inference-after-setup test-fast test-orchestrator test-parallel test-serial test-inference eval-model-idle durations images lint system-packages eval-model bench clean
 
 # What `make run` uses: nothing of the system packages, the eval model or the images.
 RUN_DEPS := $(VENV)/.installed $(IVENV)/.installed $(MODEL)/config.json
@@ -148,7 +148,7 @@ test:
 	@$(PYTHON) -m tests.phases reset
 	@$(PYTHON) -m tests.phases probe
 	$(PHASE) "setup+images+inference" -- $(MAKE) -j2 images inference-after-setup
-	$(PHASE) "parallel+eval model" -- $(MAKE) -j3 eval-model-idle test-parallel test-waiting
+	$(PHASE) "parallel+eval model" -- $(MAKE) -j2 eval-model-idle test-parallel
 	$(PHASE) serial -- $(MAKE) test-serial
 	@$(VENV)/bin/python -m tests.starts
 	@echo "the 30 longest test phases of every pass (python -m tests.durations slowest N):"
@@ -202,26 +202,12 @@ test-fast: $(VENV)/.installed $(IVENV)/.installed
 # instead of 10). Tests marked `serial` (their outcome depends on the server's load) run after,
 # alone.
 test-orchestrator:
-	$(MAKE) -j2 test-parallel test-waiting
-	$(MAKE) test-serial
+	$(MAKE) test-parallel test-serial
 
 test-parallel: setup
 	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder \
-		-m "not serial and not waits" \
+		-m "not serial" \
 		tests --ignore=tests/kvcache
-
-# The files that mostly wait on purpose (marked `waits`: the multi-node legs' lost nodes and
-# partitions, the outage and chaos tests, the containers' starts) run one after the other in a lane
-# of their own, beside the two-worker pass. In that pass they held a worker while the machine idled:
-# vmstat put 40-77 % of it idle while both legs ran beside the Batch API file (clean clone of db055eb
-# with the eval model already trained, 2026-12-07), and the pass 16 % idle overall. Their tests'
-# bounds allow for load: they ran beside the other worker's files before. Its own temporary root,
-# as the kvcache pass has: pytest prunes all but the newest three of a root's sessions.
-WAIT_TMP := /tmp/aiw
-test-waiting: setup
-	mkdir -p $(WAIT_TMP)
-	PYTEST_DEBUG_TEMPROOT=$(WAIT_TMP) $(VENV)/bin/python -m pytest -q --timeout=900 --durations=10 \
-		-m "waits and not serial" tests --ignore=tests/kvcache
 
 test-serial: setup
 	$(VENV)/bin/python -m pytest -q --timeout=900 --durations=10 -m serial tests --ignore=tests/kvcache
