@@ -140,9 +140,10 @@ images: system-packages
 # found no request queued where one should be).
 # Then the tests that must run alone.
 # Each step runs under tests/phases.py's clock: the table of what each took ends the output, and a
-# failed step prints it too (CI keeps only the output's tail). A fixed one-core workload is timed
-# before and after (its "speed probe" line): this VM's speed moves by tens of percent from day to
-# day, and a suite's time means little without it.
+# failed step prints it too (CI keeps only the output's tail). Two fixed one-core workloads (pure
+# Python, and system calls) are timed before and after (the "speed probe" line): this VM's speed
+# moves by tens of percent from day to day, not alike for both, and a suite's time means little
+# without it.
 PHASE = $(PYTHON) -m tests.phases run
 test:
 	@$(PYTHON) -m tests.phases reset
