@@ -18,7 +18,6 @@ import argparse
 import os
 import runpy
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugins"))
 
-from vllm_start import tree_cpu  # noqa: E402 - bench/, this script's folder
+from vllm_start import medians_line, tree_cpu  # noqa: E402 - bench/, this script's folder
 
 from aibrix_operators.serving.local_vllm import VLLMServer, VLLMServerSpec  # noqa: E402
 from aibrix_operators.serving.ports import free_port  # noqa: E402
@@ -105,12 +104,7 @@ def main() -> int:
             seconds, cpu = fresh_start(args.model) if kind == "fresh" else forked_start(args.model, log_dir)
             results[kind].append((seconds, cpu))
             print(f"round {round_no} {kind:6s}: healthy after {seconds:5.1f} s, {cpu:5.1f} CPU-s", flush=True)
-    med = {k: (statistics.median(s for s, _ in runs), statistics.median(u for _, u in runs))
-           for k, runs in results.items()}  # fmt: skip
-    fresh, forked = med["fresh"], med["forked"]
-    print(f"median fresh: {fresh[0]:.1f} s, {fresh[1]:.1f} CPU-s; forked: {forked[0]:.1f} s, "
-          f"{forked[1]:.1f} CPU-s; ratio forked/fresh: time {forked[0] / fresh[0]:.2f}, "
-          f"CPU {forked[1] / fresh[1]:.2f}")  # fmt: skip
+    print(medians_line("fresh", results["fresh"], "forked", results["forked"]))
     return 0
 
 

@@ -41,6 +41,15 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
+def medians_line(base: str, base_runs: list[tuple[float, float]], other: str,
+                 other_runs: list[tuple[float, float]]) -> str:
+    """The medians of two kinds of start, (seconds, CPU-s) each, and their ratios other/base."""
+    b_s, b_cpu = (statistics.median(x[i] for x in base_runs) for i in (0, 1))
+    o_s, o_cpu = (statistics.median(x[i] for x in other_runs) for i in (0, 1))
+    return (f"median {base}: {b_s:.1f} s, {b_cpu:.1f} CPU-s; {other}: {o_s:.1f} s, {o_cpu:.1f} CPU-s; "
+            f"ratio {other}/{base}: time {o_s / b_s:.2f}, CPU {o_cpu / b_cpu:.2f}")
+
+
 def one_start(model: str, cache_dir: Path | None) -> tuple[float, float]:
     """(seconds to healthy, CPU seconds of the server's processes by then); ``cache_dir``: the
     bytecode cache to use and fill, or None for none at all."""
@@ -73,11 +82,7 @@ def main() -> int:
             results[cache].append((seconds, cpu))
             print(f"round {round_no} {'cache   ' if cache else 'no cache'}: healthy after {seconds:5.1f} s, "
                   f"{cpu:5.1f} CPU-s", flush=True)  # fmt: skip
-    med = {c: (statistics.median(s for s, _ in runs), statistics.median(u for _, u in runs))
-           for c, runs in results.items()}  # fmt: skip
-    print(f"median no cache: {med[False][0]:.1f} s, {med[False][1]:.1f} CPU-s; cache: {med[True][0]:.1f} s, "
-          f"{med[True][1]:.1f} CPU-s; ratio cache/no cache: time {med[True][0] / med[False][0]:.2f}, "
-          f"CPU {med[True][1] / med[False][1]:.2f}")  # fmt: skip
+    print(medians_line("no cache", results[False], "cache", results[True]))
     return 0
 
 

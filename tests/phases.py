@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RECORD = Path(__file__).resolve().parents[1] / ".work" / "phases.jsonl"
@@ -80,11 +81,11 @@ def _io_workload() -> int:
     return got
 
 
-def _best(workload: object, runs: int) -> float:
+def _best(workload: Callable[[], int], runs: int) -> float:
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
-        workload()  # type: ignore[operator]
+        workload()
         best = min(best, time.perf_counter() - start)
     return best
 
